@@ -1,0 +1,87 @@
+"""The API app factory: wires settings, the prompt compiler, Redis and the queue into FastAPI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from common.prompt import PromptCompiler
+from fastapi import FastAPI
+
+from api.docs import install_docs
+from api.errors import install_error_handlers
+from api.middleware import BodyGate, RequestContext
+from api.preparation import JobPreparer
+from api.queue import CompletionWaiter, JobQueue
+from api.routes import router
+from common.jobs import deserialize, serialize
+from common.jobstore import JobStore
+from common.settings import Settings
+
+DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
+
+Each question is answered from the log-probabilities of single-token answer labels after one
+shared prompt prefix: N questions cost one warm call plus N one-token branch calls.
+Point any Jev client at this server's root URL."""
+
+
+@dataclass
+class Services:
+    """What the routes need, built once per process."""
+
+    settings: Settings
+    preparer: JobPreparer
+    redis: ArqRedis
+    queue: JobQueue
+    waiter: CompletionWaiter
+    started_at: float
+
+
+def build_preparer(settings: Settings) -> JobPreparer:
+    """Load the tokenizer named by the settings and verify its label alphabet."""
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.tokenizer_source, settings.revision)
+    return JobPreparer(settings, PromptCompiler.for_tokenizer(tokenizer))
+
+
+def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastAPI:
+    """The openjev API. `preparer` may be injected (tests); otherwise it is built at startup."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = await create_pool(_redis_settings(settings), job_serializer=serialize, job_deserializer=deserialize)
+        waiter = CompletionWaiter(redis)
+        await waiter.start()
+        store = JobStore(redis, settings.job_result_ttl)
+        app.state.services = Services(
+            settings=settings,
+            preparer=preparer or build_preparer(settings),
+            redis=redis,
+            queue=JobQueue(redis, store, waiter),
+            waiter=waiter,
+            started_at=time.time(),
+        )
+        try:
+            yield
+        finally:
+            await waiter.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="openjev", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(router)
+    install_docs(app)
+    app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestContext)
+    return app
+
+
+def _redis_settings(settings: Settings) -> RedisSettings:
+    redis_settings = RedisSettings.from_dsn(settings.redis_url)
+    redis_settings.conn_timeout = 2
+    return redis_settings

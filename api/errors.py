@@ -1,0 +1,102 @@
+"""The one mapping from domain errors to HTTP statuses and the contract's error shapes."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class ApiError(Exception):
+    """An error answered as `{"detail": {"error_type", "message"}}` with `status`."""
+
+    status = 500
+    error_type = "api_error"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class UnknownModel(ApiError):
+    status = 400
+    error_type = "api_usage_error"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Unknown model: {name}")
+
+
+class AuthenticationError(ApiError):
+    error_type = "authentication_error"
+
+
+class MissingKey(AuthenticationError):
+    status = 403
+
+
+class WrongKey(AuthenticationError):
+    status = 401
+
+
+class NoWorker(ApiError):
+    status = 503
+    error_type = "unavailable_error"
+
+
+class QueueUnavailable(ApiError):
+    status = 503
+    error_type = "unavailable_error"
+
+
+class Overloaded(ApiError):
+    status = 529
+    error_type = "overloaded_error"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    error_type = "timeout_error"
+
+
+class JobNotFound(ApiError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class JobFailed(ApiError):
+    """A job ended without a result; the worker chose the status and the error."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+
+
+def invalid(loc: list[str | int], message: str, kind: str = "value_error") -> RequestValidationError:
+    """A 422 in FastAPI's shape for a check made after parsing (limits, budgets, content)."""
+    return RequestValidationError([{"loc": ["body", *loc], "msg": message, "type": kind}])
+
+
+def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error the app can raise to the contract's shapes."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.error_type, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+        return error_response(exc.status_code, kind, str(exc.detail), dict(exc.headers or {}))

@@ -1,0 +1,152 @@
+"""ASGI middleware: a request id and JSON on every response (500s included), and the request
+body gate (size limit on the decompressed bytes, zstd and gzip bodies)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import zlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+import zstandard
+
+from common.jobs import new_request_id
+
+log = logging.getLogger("openjev.api")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REQUEST_ID_HEADER = b"x-typesafe-request-id"
+
+
+def error_body(error_type: str, message: str) -> bytes:
+    return orjson.dumps({"detail": {"error_type": error_type, "message": message}})
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestContext:
+    """Gives every request an id, stamps it on every response, and turns an unhandled error into
+    a JSON 500 that still carries the id (the official SDK raises on a response without it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def stamped(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, stamped)
+        except Exception:
+            log.exception("unhandled error", extra={"request_id": request_id})
+            if not started:
+                await send_json(stamped, 500, error_body("api_error", "internal error; quote the request id"))
+
+
+class BodyGate:
+    """Reads the whole body once: decompresses `Content-Encoding: zstd|gzip`, refuses more than
+    `max_bytes` after decompression with 413, then replays the plain body to the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if encoding not in ("identity", "", "zstd", "gzip", "x-gzip"):
+            await send_json(send, 415, error_body(
+                "invalid_request_error", f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none"))
+            return
+        try:
+            body = await self._read(receive, encoding)
+        except _TooLarge:
+            await send_json(send, 413, error_body(
+                "request_too_large", f"request body exceeds {self.max_bytes} bytes (after decompression)"))
+            return
+        except _BadEncoding as exc:
+            await send_json(send, 400, error_body("invalid_request_error", str(exc)))
+            return
+        scope["headers"] = [(k, v) for k, v in scope["headers"]
+                            if k not in (b"content-encoding", b"content-length")]
+        scope["headers"].append((b"content-length", str(len(body)).encode()))
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices pass through
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive, encoding: str) -> bytes:
+        # A compressed body is never much larger than its content; bounding the raw bytes first
+        # keeps memory bounded before decompression, which is itself capped at the limit.
+        raw_limit = self.max_bytes if encoding in ("identity", "") else self.max_bytes + 65536
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _BadEncoding("client disconnected while sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > raw_limit:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        if encoding in ("identity", ""):
+            return raw
+        plain = _decompress(raw, encoding, self.max_bytes + 1)
+        if len(plain) > self.max_bytes:
+            raise _TooLarge
+        return plain
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _BadEncoding(Exception):
+    pass
+
+
+def _decompress(raw: bytes, encoding: str, at_most: int) -> bytes:
+    """Decompress, producing no more than `at_most` bytes however large the content claims to be."""
+    try:
+        if encoding == "zstd":
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
+                return reader.read(at_most)
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        return inflater.decompress(raw, at_most)
+    except (zstandard.ZstdError, zlib.error) as exc:
+        raise _BadEncoding(f"body is not valid {encoding}: {exc}") from exc

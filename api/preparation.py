@@ -1,0 +1,87 @@
+"""From a validated request to an `EvaluationJob`: limits, the prompt compiled and tokenized once,
+token budgets checked. Everything here runs before any GPU work, and refuses with a 4xx."""
+
+from __future__ import annotations
+
+import time
+
+from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
+
+from api.errors import UnknownModel, invalid
+from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.jobs import Branch, EvaluationJob, new_job_id
+from common.routing import prefix_key
+from common.settings import Settings
+
+
+class JobPreparer:
+    """Checks a request against the limits in force and compiles it into a job record."""
+
+    def __init__(self, settings: Settings, compiler: PromptCompiler) -> None:
+        self.settings = settings
+        self.compiler = compiler
+
+    @property
+    def max_options(self) -> int:
+        """Options a question may have: the configured limit, or fewer if the tokenizer has fewer labels."""
+        return min(self.settings.max_options, self.compiler.alphabet.capacity)
+
+    def check_request(self, request: SystemOneRequest) -> None:
+        """Model name and size limits; cheap, so run before tokenizing anything."""
+        if request.model not in self.settings.accepted_model_names:
+            raise UnknownModel(request.model)
+        if len(request.questions) > self.settings.max_questions:
+            raise invalid(["questions"], f"{len(request.questions)} questions exceed the limit of "
+                          f"{self.settings.max_questions} per request; split the request")
+        for qid, question in request.questions.items():
+            options = _option_count(question)
+            if options > self.max_options:
+                raise invalid(["questions", qid, "criteria"], f"{options} options exceed the limit of "
+                              f"{self.max_options} per question")
+
+    def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
+        """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
+        try:
+            compiled = self.compiler.compile(request)
+        except UnsupportedContent as exc:
+            raise invalid(list(exc.loc), exc.message, "unsupported_content") from exc
+        self._check_budgets(compiled)
+        now = time.time()
+        levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
+        return EvaluationJob(
+            id=new_job_id(),
+            request_id=request_id,
+            model=self.settings.served_model_name,
+            prefix_ids=compiled.prefix_ids,
+            prefix_hash=prefix_key(compiled.prefix_ids),
+            branches=[Branch(question_id=b.question_id, kind=b.kind, suffix_ids=b.suffix_ids, label_ids=b.label_ids,
+                             option_names=b.option_names, legend=levels.get(b.question_id))
+                      for b in compiled.branches],
+            created_at=now,
+            deadline_at=now + timeout,
+            temperature=self.settings.temperature,
+            confidence=self.settings.confidence,
+        )
+
+    def _check_budgets(self, compiled: CompiledPrompt) -> None:
+        prefix = len(compiled.prefix_ids)
+        per_branch = self.settings.max_input_tokens
+        for branch in compiled.branches:
+            needed = prefix + len(branch.suffix_ids) + 1  # the answer token counts too
+            if needed > per_branch:
+                raise invalid(["questions", branch.question_id],
+                              f"this question needs {needed} tokens (state {prefix} + question "
+                              f"{len(branch.suffix_ids)} + 1 answer), over the limit of {per_branch}; "
+                              "shorten the state or the question", "token_budget")
+        total = prefix + sum(prefix + len(b.suffix_ids) for b in compiled.branches)
+        if total > self.settings.max_total_input_tokens:
+            raise invalid(["questions"], f"the request needs {total} input tokens across its "
+                          f"{len(compiled.branches)} questions, over the limit of "
+                          f"{self.settings.max_total_input_tokens}; send fewer questions or a shorter state",
+                          "token_budget")
+
+
+def _option_count(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> int:
+    if isinstance(question, NoulQuestion):
+        return 2
+    return len(question.criteria)

@@ -1,0 +1,146 @@
+"""The API's side of the queue: route a job to a worker, enqueue it, and learn of its completion
+by a pushed notice (one pub/sub subscription per process), with the job record as the truth."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from arq.connections import ArqRedis
+from arq.constants import abort_jobs_ss
+from redis.exceptions import RedisError
+
+from api.errors import NoWorker, QueueUnavailable
+from common import keys
+from common.jobs import EvaluationJob, JobOutcome, JobStatus
+from common.jobstore import JobRecord, JobStore
+from common.membership import WorkerInfo, live_workers
+from common.routing import route_job
+
+log = logging.getLogger("openjev.api")
+
+RECHECK_INTERVAL = 1.0  # seconds between record checks, in case a completion notice was missed
+
+
+class CompletionWaiter:
+    """Resolves waiting requests when workers publish a job id on the done channel."""
+
+    def __init__(self, redis: ArqRedis) -> None:
+        self.redis = redis
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def expect(self, job_id: str) -> asyncio.Future[None]:
+        """A future set when `job_id`'s completion is announced; call `forget` when done."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(job_id, set()).add(future)
+        return future
+
+    def forget(self, job_id: str, future: asyncio.Future[None]) -> None:
+        futures = self._waiting.get(job_id)
+        if futures is not None:
+            futures.discard(future)
+            if not futures:
+                del self._waiting[job_id]
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(keys.DONE_CHANNEL)
+                    async for message in pubsub.listen():
+                        self._announce(message["data"].decode())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis went away: resubscribe; waiters recheck records meanwhile
+                log.warning("completion subscription lost (%r); resubscribing", exc)
+                await asyncio.sleep(0.5)
+
+    def _announce(self, job_id: str) -> None:
+        for future in self._waiting.pop(job_id, ()):
+            if not future.done():
+                future.set_result(None)
+
+
+class JobQueue:
+    """Submits evaluation jobs to the routed worker's queue and waits for their outcome."""
+
+    def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25) -> None:
+        self.redis = redis
+        self.store = store
+        self.waiter = waiter
+        self.load_factor = load_factor
+
+    async def workers(self) -> list[WorkerInfo]:
+        """The live workers, or QueueUnavailable when Redis cannot be reached."""
+        try:
+            return await live_workers(self.redis)
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
+
+    async def queue_lengths(self, workers: list[WorkerInfo]) -> dict[str, int]:
+        """Jobs waiting in each worker's queue (by worker id)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for w in workers:
+                pipe.zcard(w.queue)
+            counts = await pipe.execute()
+        return {w.id: int(c) for w, c in zip(workers, counts, strict=True)}
+
+    async def submit(self, job: EvaluationJob) -> str:
+        """Route and enqueue `job`; returns the queue it went to."""
+        workers = await self.workers()
+        if not workers:
+            raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
+                           {"Retry-After": "5"})
+        try:
+            lengths = await self.queue_lengths(workers)
+            chosen = route_job(job.prefix_hash, lengths, self.load_factor)
+            queue = next(w.queue for w in workers if w.id == chosen)
+            await self.store.create(job.id, job.request_id, job.created_at, job.deadline_at, queue)
+            await self.redis.enqueue_job(keys.JOB_FUNCTION, job.model_dump(mode="json"), _job_id=job.id,
+                                         _queue_name=queue, _expires=max(1.0, job.remaining()) + 60)
+            await self.redis.lpush(keys.wake_key(queue), b"1")
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
+        return queue
+
+    async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
+        """The job's record once it ends, or None if `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        future = self.waiter.expect(job_id)
+        try:
+            while True:
+                record = await self.store.get(job_id)
+                if record is None or record.status.terminal:
+                    return record
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+        finally:
+            self.waiter.forget(job_id, future)
+
+    async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int) -> bool:
+        """End the job as `status` unless it already ended, and have its worker abort it."""
+        outcome = JobOutcome(status=status, error={"error_type": error_type, "message": message},
+                             http_status=http_status)
+        won = await self.store.finish(job_id, outcome)
+        record = await self.store.get(job_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
+            if record is not None and record.queue:
+                pipe.lpush(keys.wake_key(record.queue), b"1")
+            await pipe.execute()
+        return won

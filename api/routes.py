@@ -1,0 +1,148 @@
+"""HTTP routes: the System One evaluation (a synchronous facade over the queue), models, limits
+and health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import require_key
+from api.errors import DeadlineExceeded, JobFailed
+from common.contract import EXAMPLE_REQUEST, ErrorBody, ModelList, SystemOneRequest, SystemOneResponse
+from common.jobs import JobOutcome, JobStatus
+
+router = APIRouter()
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "Unknown model"},
+    401: {"model": ErrorBody, "description": "Wrong API key"},
+    403: {"model": ErrorBody, "description": "Missing API key"},
+    413: {"model": ErrorBody, "description": "Body over the size limit"},
+    503: {"model": ErrorBody, "description": "No live worker yet; see Retry-After"},
+    504: {"model": ErrorBody, "description": "Deadline exceeded"},
+    529: {"model": ErrorBody, "description": "Overloaded; see Retry-After"},
+}
+
+
+@router.post("/v1/systemone", response_model=SystemOneResponse, responses=ERRORS, tags=["System One"],
+             summary="Evaluate a state against named questions", dependencies=[Depends(require_key)])
+async def systemone(request: Request,
+                    body: SystemOneRequest = Body(openapi_examples={"ticket": {"value": EXAMPLE_REQUEST}})) -> Any:
+    """Answers every question from label log-probabilities after one shared prompt prefix."""
+    services = request.app.state.services
+    started = time.perf_counter()
+    services.preparer.check_request(body)
+    job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
+                                  services.settings.request_timeout)
+    prepare_seconds = time.perf_counter() - started
+    await services.queue.submit(job)
+    record = await _wait_unless_disconnected(request, job.id, job.remaining())
+    if record is None:
+        await services.queue.cancel(job.id, JobStatus.expired, "timeout_error",
+                                    "the request did not finish before its deadline", 504)
+        raise DeadlineExceeded(f"no answer within {services.settings.request_timeout:g} s; the work was aborted")
+    outcome: JobOutcome = record.outcome
+    if outcome.status is not JobStatus.succeeded or outcome.result is None:
+        error = outcome.error or {"error_type": "api_error", "message": "the job ended without a result"}
+        raise JobFailed(outcome.http_status or 500, error["error_type"], error["message"])
+    return JSONResponse(outcome.result, headers=_result_headers(outcome, prepare_seconds))
+
+
+async def _wait_unless_disconnected(request: Request, job_id: str, timeout: float):
+    """The job's final record; None past `timeout`. A client that hangs up cancels the job."""
+    queue = request.app.state.services.queue
+    waiting = asyncio.create_task(queue.wait(job_id, timeout))
+    hangup = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await queue.cancel(job_id, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
+        return None
+    return waiting.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _result_headers(outcome: JobOutcome, prepare_seconds: float) -> dict[str, str]:
+    t = outcome.timings
+    timing = ", ".join(f"{name};dur={seconds * 1000:.1f}" for name, seconds in (
+        ("queue", t.queue), ("prepare", prepare_seconds), ("prefill", t.prefill), ("branches", t.branches)))
+    headers = {"x-openjev-prefix-tokens": str(outcome.prefix_tokens), "Server-Timing": timing}
+    if outcome.cached_tokens is not None:
+        headers["x-openjev-cached-tokens"] = str(outcome.cached_tokens)
+    return headers
+
+
+@router.get("/v1/models", response_model=ModelList, tags=["System One"], summary="List the served models",
+            dependencies=[Depends(require_key)])
+async def models(request: Request) -> ModelList:
+    settings = request.app.state.services.settings
+    names = [settings.served_model_name, *[a for a in settings.model_aliases if a != settings.served_model_name]]
+    return ModelList(models=[{"name": name, "description": f"openjev serving {settings.served_model_name}",
+                              "release_date": settings.model_release_date} for name in names])
+
+
+@router.get("/v1/limits", tags=["Operations"], summary="The admission limits in force",
+            dependencies=[Depends(require_key)])
+async def limits(request: Request) -> dict[str, Any]:
+    services = request.app.state.services
+    s = services.settings
+    return {
+        "max_questions": s.max_questions,
+        "max_options": services.preparer.max_options,
+        "max_input_tokens": s.max_input_tokens,
+        "max_total_input_tokens": s.max_total_input_tokens,
+        "max_body_bytes": s.max_body_bytes,
+        "max_concurrent_requests_per_worker": s.max_concurrent_requests,
+        "max_concurrent_branches_per_worker": s.max_concurrent_branches,
+        "request_timeout_s": s.request_timeout,
+        "job_timeout_s": s.job_timeout,
+        **await _queue_state(request),
+    }
+
+
+async def _queue_state(request: Request) -> dict[str, Any]:
+    queue = request.app.state.services.queue
+    try:
+        workers = await queue.workers()
+        lengths = await queue.queue_lengths(workers)
+    except Exception:
+        return {"redis": "unreachable", "live_workers": 0, "queue_depth": None, "workers": []}
+    return {
+        "redis": "ok",
+        "live_workers": len(workers),
+        "queue_depth": sum(lengths.values()),
+        "workers": [{"id": w.id, "queue_depth": lengths[w.id], "engine_ok": w.engine_ok, "model": w.model,
+                     "heartbeat_age_s": round(time.time() - w.heartbeat_at, 3)} for w in workers],
+    }
+
+
+@router.get("/health", tags=["Operations"], summary="Readiness: Redis reachable and a live worker")
+async def health(request: Request) -> JSONResponse:
+    services = request.app.state.services
+    state = await _queue_state(request)
+    ready = state["redis"] == "ok" and state["live_workers"] > 0
+    body = {"status": "ok" if ready else "unavailable", "model": services.settings.served_model_name,
+            "started_at": services.started_at, "uptime_s": round(time.time() - services.started_at, 3), **state}
+    return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
+
+
+@router.get("/health/live", tags=["Operations"], summary="Liveness: the process answers")
+async def live() -> dict[str, str]:
+    return {"status": "ok"}
+
+

@@ -1,0 +1,108 @@
+"""The evaluation job: the versioned JSON record the API hands the worker, and the status record
+that tracks it until a result (or an error) is stored for the caller."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from enum import StrEnum
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, Field
+
+from common.settings import ConfidenceMode
+
+JOB_RECORD_VERSION = 1
+
+
+class JobStatus(StrEnum):
+    queued = "queued"  # accepted and waiting in a worker's queue
+    running = "running"  # a worker is evaluating it
+    succeeded = "succeeded"  # `result` holds the /v1/systemone response body
+    failed = "failed"  # `error` holds the contract's error detail
+    cancelled = "cancelled"  # the caller went away or asked to cancel
+    expired = "expired"  # its deadline passed before it could finish
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobStatus.queued, JobStatus.running)
+
+
+class Branch(BaseModel):
+    """One question: the tokens after the shared prefix, and how to read its label logprobs."""
+
+    question_id: str
+    kind: Literal["noul", "choice", "score"]
+    suffix_ids: list[int]
+    label_ids: list[int]
+    option_names: list[str]  # answer keys, in label order
+    legend: list[Any] | None = None  # score levels, echoed unchanged
+
+
+class EvaluationJob(BaseModel):
+    """Everything a worker needs to evaluate one request; never contains client JSON to parse."""
+
+    version: Literal[1] = JOB_RECORD_VERSION
+    id: str
+    request_id: str
+    model: str  # the name reported back in the response
+    prefix_ids: list[int]
+    prefix_hash: str
+    branches: list[Branch]
+    created_at: float
+    deadline_at: float  # epoch seconds; past it the job is not run and its calls are aborted
+    temperature: float
+    confidence: ConfidenceMode
+
+    def remaining(self, now: float | None = None) -> float:
+        """Seconds left before the deadline (negative once past)."""
+        return self.deadline_at - (time.time() if now is None else now)
+
+    @property
+    def total_input_tokens(self) -> int:
+        """Tokens sent to the engine: the warm prefix once plus prefix + suffix per branch."""
+        prefix = len(self.prefix_ids)
+        return prefix + sum(prefix + len(b.suffix_ids) for b in self.branches)
+
+
+class Timings(BaseModel):
+    """Seconds spent in each stage, reported in `Server-Timing`."""
+
+    queue: float = 0.0
+    prepare: float = 0.0
+    prefill: float = 0.0
+    branches: float = 0.0
+
+
+class JobOutcome(BaseModel):
+    """What a worker stores when a job ends: the response body, or an error, and the figures."""
+
+    status: JobStatus
+    result: dict[str, Any] | None = None  # exactly the /v1/systemone response body
+    error: dict[str, str] | None = None  # {"error_type", "message"}
+    http_status: int | None = None  # the status the sync facade answers with on error
+    prefix_tokens: int = 0
+    cached_tokens: int | None = None  # None when the engine does not report cache hits
+    timings: Timings = Field(default_factory=Timings)
+    worker_id: str | None = None
+    finished_at: float = Field(default_factory=time.time)
+
+
+def serialize(obj: Any) -> bytes:
+    """arq's job serializer on both sides of the queue: JSON, never pickle."""
+    return orjson.dumps(obj)
+
+
+def deserialize(raw: bytes) -> Any:
+    return orjson.loads(raw)
+
+
+def new_job_id() -> str:
+    """An unguessable job id (128 random bits)."""
+    return "job_" + secrets.token_hex(16)
+
+
+def new_request_id() -> str:
+    """The `x-typesafe-request-id` value: `req_<hex>`."""
+    return "req_" + secrets.token_hex(12)

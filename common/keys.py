@@ -1,0 +1,34 @@
+"""Redis key and channel names, in one place, so the API and the workers agree."""
+
+from __future__ import annotations
+
+PREFIX = "openjev:"
+
+WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (ms)
+JOB_FUNCTION = "evaluate"  # the arq function name a worker registers for evaluation jobs
+DONE_CHANNEL = PREFIX + "done"  # pub/sub: a job id, published when its outcome is stored
+
+
+def queue_name(worker_id: str) -> str:
+    """The arq queue (a zset) that only this worker pulls from."""
+    return f"{PREFIX}queue:{worker_id}"
+
+
+def wake_key(queue: str) -> str:
+    """A list the API pushes to so the worker picks a new job at once instead of polling."""
+    return f"{queue}:wake"
+
+
+def worker_key(worker_id: str) -> str:
+    """JSON description of a live worker (queue, capacity, model); expires without heartbeats."""
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def job_key(job_id: str) -> str:
+    """Hash: the job's status record and, once finished, its outcome."""
+    return f"{PREFIX}job:{job_id}"
+
+
+def idempotency_key(key: str) -> str:
+    """The job id already submitted under a client's `Idempotency-Key`."""
+    return f"{PREFIX}idem:{key}"

@@ -1,0 +1,99 @@
+"""From label log-probabilities to answers: a stable softmax over the offered labels, then the
+contract's numbers (noul, argmax choice, expected score) and confidence."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from common.settings import ConfidenceMode
+
+
+@dataclass(frozen=True)
+class LabelDistribution:
+    """Probabilities renormalised over exactly the offered labels, plus how much mass they had."""
+
+    probabilities: list[float]
+    label_mass: float  # sum of exp(logprob) over the labels before renormalising, in [0, 1]
+
+
+def label_distribution(logprobs: list[float], temperature: float = 1.0) -> LabelDistribution:
+    """Renormalise full-vocabulary label logprobs with a stable softmax at `temperature`."""
+    if not logprobs:
+        raise ValueError("no label logprobs")
+    finite = [lp if math.isfinite(lp) else -math.inf for lp in logprobs]
+    top = max(finite)
+    if top == -math.inf:  # every label impossible: nothing to prefer, say so evenly
+        n = len(finite)
+        return LabelDistribution([1.0 / n] * n, 0.0)
+    weights = [math.exp((lp - top) / temperature) for lp in finite]
+    total = math.fsum(weights)
+    mass = min(1.0, math.fsum(math.exp(lp) for lp in finite))
+    return LabelDistribution([w / total for w in weights], mass)
+
+
+def choice_confidence(probabilities: list[float]) -> float:
+    """Official: (m − 1/n) / (1 − 1/n) for top probability m over n options; 1.0 when n = 1."""
+    n = len(probabilities)
+    if n == 1:
+        return 1.0
+    m = max(probabilities)
+    return _unit((m - 1.0 / n) / (1.0 - 1.0 / n))
+
+
+def score_confidence(probabilities: list[float]) -> float:
+    """Official: max(0, 1 − Σ pᵢ·|i − k| / D), k the mode, D = (1/n)·Σᵢ |i − (n−1)/2|."""
+    n = len(probabilities)
+    k = max(range(n), key=probabilities.__getitem__)
+    spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    if spread == 0:
+        return 1.0
+    distance = sum(p * abs(i - k) for i, p in enumerate(probabilities))
+    return _unit(1.0 - distance / spread)
+
+
+def entropy_confidence(probabilities: list[float]) -> float:
+    """clamp(1 − H(p)/ln n, 0, 1): 1 when certain, 0 when uniform."""
+    n = len(probabilities)
+    if n < 2:
+        return 1.0
+    entropy = -math.fsum(p * math.log(p) for p in probabilities if p > 0)
+    return _unit(1.0 - entropy / math.log(n))
+
+
+def noul_answer(dist: LabelDistribution) -> dict[str, Any]:
+    """P(true); the true label is offered first."""
+    return {"type": "noul", "noul": _unit(dist.probabilities[0]), "x_label_mass": dist.label_mass}
+
+
+def choice_answer(dist: LabelDistribution, options: list[str], mode: ConfidenceMode) -> dict[str, Any]:
+    """The argmax option (first wins a tie), the distribution keyed by option name, and confidence."""
+    probs = dist.probabilities
+    best = max(range(len(probs)), key=probs.__getitem__)
+    confidence = choice_confidence(probs) if mode is ConfidenceMode.typesafe else entropy_confidence(probs)
+    return {
+        "type": "choice",
+        "choice": options[best],
+        "probabilities": dict(zip(options, probs, strict=True)),
+        "confidence": confidence,
+        "x_label_mass": dist.label_mass,
+    }
+
+
+def score_answer(dist: LabelDistribution, legend: list[Any], mode: ConfidenceMode) -> dict[str, Any]:
+    """The expected level Σ i·pᵢ, the legend echoed unchanged, the distribution and confidence."""
+    probs = dist.probabilities
+    confidence = score_confidence(probs) if mode is ConfidenceMode.typesafe else entropy_confidence(probs)
+    return {
+        "type": "score",
+        "score": min(float(len(probs) - 1), max(0.0, math.fsum(i * p for i, p in enumerate(probs)))),
+        "legend": {str(i): level for i, level in enumerate(legend)},
+        "probabilities": {str(i): p for i, p in enumerate(probs)},
+        "confidence": confidence,
+        "x_label_mass": dist.label_mass,
+    }
+
+
+def _unit(x: float) -> float:
+    return min(1.0, max(0.0, x))

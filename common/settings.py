@@ -1,0 +1,80 @@
+"""Every knob of openjev, read once from `OPENJEV_*` environment variables and passed down."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Frontend(StrEnum):
+    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (may omit cached_tokens)
+    python = "python"  # the explicit fallback
+
+
+class ConfidenceMode(StrEnum):
+    typesafe = "typesafe"  # the official formulas of the contract
+    entropy = "entropy"  # clamp(1 - H(p) / ln n, 0, 1)
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it once (`get_settings()`) and pass it down."""
+
+    model_config = SettingsConfigDict(env_prefix="OPENJEV_", extra="ignore")
+
+    # The model and how SGLang serves it (the original design's settings).
+    model: str = "nvidia/Qwen3.6-35B-A3B-NVFP4"
+    served_model_name: str = "Qwen/Qwen3.6-35B-A3B"
+    revision: str | None = None
+    profile: str = "default"
+    frontend: Frontend = Frontend.rust
+    tokenizer: str | None = Field(
+        default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
+    )
+    model_aliases: list[str] = Field(default_factory=lambda: ["jev-latest"])
+    model_release_date: str = "2026-04-16"
+
+    # Admission limits, enforced in the API before any GPU work.
+    max_input_tokens: int = Field(default=32768, ge=16, description="Per branch, including the output token.")
+    max_total_input_tokens: int = Field(default=262144, ge=16, description="All tokens sent, warm + branches.")
+    max_concurrent_requests: int = Field(default=16, ge=1, description="Jobs a worker runs at once.")
+    max_concurrent_branches: int = Field(default=64, ge=1, description="Branch calls a worker has in flight.")
+    max_questions: int = Field(default=64, ge=1)
+    max_options: int = Field(default=255, ge=2)
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024, description="After decompression.")
+    request_timeout: float = Field(default=120.0, gt=0, description="Seconds, end to end, for a sync request.")
+    job_timeout: float = Field(default=600.0, gt=0, description="Seconds from submission for an async job.")
+    job_result_ttl: int = Field(default=3600, ge=1, description="Seconds a finished job's record is kept.")
+
+    # Answers.
+    temperature: float = Field(default=1.0, gt=0)
+    confidence: ConfidenceMode = ConfidenceMode.typesafe
+
+    # Secrets: never logged.
+    api_key: SecretStr | None = None
+    backend_api_key: SecretStr | None = None
+
+    # Plumbing.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    engine_url: str = "http://127.0.0.1:30000"
+    worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
+    sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
+
+    @property
+    def accepted_model_names(self) -> set[str]:
+        return {self.served_model_name, *self.model_aliases}
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer or self.model
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment on first use."""
+    return Settings()

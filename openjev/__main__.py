@@ -1,0 +1,3 @@
+from openjev.cli import main
+
+raise SystemExit(main())

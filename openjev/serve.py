@@ -1,0 +1,199 @@
+"""`openjev serve`: the whole stack on one machine as a supervised process group. An embedded
+Redis, the engine(s), one worker per engine and the API. A worker that dies is restarted (its jobs
+wait in Redis); if Redis, an engine or the API dies, everything stops and serve exits non-zero so
+a container platform replaces it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from common.settings import Settings
+from openjev.embedded_redis import free_port, start_redis
+
+CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ENGINE_START_TIMEOUT = 600.0  # first start converts the GGUF; SGLang loads weights and captures graphs
+WORKER_RESTART_LIMIT = 20  # restarts within the window before serve gives up on a crash-looping worker
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    restart: bool = False  # restarted when it dies (workers); otherwise its death stops the group
+    process: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, env=self.env)
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    connect: str | None = None
+    sglang_python: str | None = None
+    workers: int = 1
+    compute_delay: float = 0.0
+
+
+class Supervisor:
+    """Starts the children in order and watches them until a signal or a fatal death."""
+
+    def __init__(self, settings: Settings, options: ServeOptions) -> None:
+        self.settings = settings
+        self.options = options
+        self.children: list[Child] = []
+        self._stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self._stop_all()
+
+    def _run(self) -> int:
+        redis_process, redis_url = self._redis()
+        self.children.append(Child("redis", [], {}, process=redis_process))
+        env = self._base_env(redis_url)
+        engine_urls = self._engines(env)
+        if engine_urls is None:
+            return 1
+        for i, url in enumerate(engine_urls):
+            self._spawn(Child(f"worker-{i}", _openjev("worker"),
+                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"local-{i}"}, restart=True))
+        self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)), env))
+        if not self._wait_ready():
+            return 1
+        print(f"openjev is serving on http://{self._display_host()}:{self.options.port}"
+              f"  (docs: /, try: curl -s http://{self._display_host()}:{self.options.port}/v1/systemone "
+              "-H 'Content-Type: application/json' --data-binary @examples/request.json)", flush=True)
+        return self._watch()
+
+    def _redis(self) -> tuple[subprocess.Popen[bytes], str]:
+        process, url = start_redis()
+        _log(f"embedded Redis on {url}")
+        return process, url
+
+    def _base_env(self, redis_url: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["OPENJEV_REDIS_URL"] = redis_url
+        if not (self.options.connect or self.options.sglang_python):
+            env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
+            env.setdefault("OPENJEV_SERVED_MODEL_NAME", CPU_MODEL_NAME)
+        return env
+
+    def _cpu_model_dir(self) -> Path:
+        from worker.cpu_engine.model import default_tokenizer_dir
+
+        return default_tokenizer_dir(self.settings.cache_dir / "models")
+
+    def _engines(self, env: dict[str, str]) -> list[str] | None:
+        """Start (or point at) the engines; None if one failed to become healthy."""
+        if self.options.connect:
+            return [self.options.connect.rstrip("/")]
+        urls = []
+        for i in range(self.options.workers):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            self._spawn(Child(f"engine-{i}", self._engine_argv(port), env))
+            urls.append(url)
+        for url, child in zip(urls, self.children[-len(urls):], strict=True):
+            if not self._wait_healthy(child, url + "/health", ENGINE_START_TIMEOUT):
+                return None
+            _log(f"{child.name} ready at {url}")
+        return urls
+
+    def _engine_argv(self, port: int) -> list[str]:
+        if self.options.sglang_python:
+            from worker.sglang_launcher import sglang_command
+
+            argv, _ = sglang_command(self.settings, python=self.options.sglang_python, port=port)
+            return argv
+        return _openjev("engine", "--port", str(port), "--cache-dir", str(self.settings.cache_dir / "models"),
+                        "--compute-delay", str(self.options.compute_delay))
+
+    def _spawn(self, child: Child) -> None:
+        _log(f"starting {child.name}")
+        child.start()
+        self.children.append(child)
+
+    def _wait_healthy(self, child: Child, url: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopping:
+            if child.process is not None and child.process.poll() is not None:
+                _log(f"{child.name} exited with {child.process.returncode} while starting")
+                return False
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        _log(f"{child.name} did not become healthy within {timeout:.0f} s")
+        return False
+
+    def _wait_ready(self) -> bool:
+        api = next(c for c in self.children if c.name == "api")
+        return self._wait_healthy(api, f"http://127.0.0.1:{self.options.port}/health", 180.0)
+
+    def _watch(self) -> int:
+        while not self._stopping:
+            for child in self.children:
+                code = child.process.poll() if child.process else None
+                if code is None:
+                    continue
+                if child.restart and self._may_restart(child):
+                    _log(f"{child.name} exited with {code}; restarting it (its jobs wait in Redis)")
+                    child.start()
+                    continue
+                _log(f"{child.name} exited with {code}; stopping openjev")
+                return code or 1
+            time.sleep(0.2)
+        return 0
+
+    def _may_restart(self, child: Child) -> bool:
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < 60] + [now]
+        return len(child.restarts) <= WORKER_RESTART_LIMIT
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stopping = True
+
+    def _stop_all(self) -> None:
+        for child in reversed(self.children):
+            if child.process and child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + 10
+        for child in reversed(self.children):
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def _display_host(self) -> str:
+        return "127.0.0.1" if self.options.host in ("0.0.0.0", "::") else self.options.host
+
+
+def _openjev(*args: str) -> list[str]:
+    return [sys.executable, "-m", "openjev", *args]
+
+
+def _log(message: str) -> None:
+    print(f"[openjev serve] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,195 @@
+"""The arq worker beside one engine: pulls only its own queue, woken by a push instead of arq's
+0.5 s polling, runs each job's evaluation, stores the outcome and announces it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from arq import Worker
+from arq.connections import ArqRedis, RedisSettings
+
+from common import keys
+from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
+from common.jobstore import JobStore
+from common.membership import HEARTBEAT_INTERVAL, WorkerInfo, heartbeat, leave
+from common.settings import Settings
+from worker.branch_slots import BranchSlots
+from worker.engine_client import EngineAborted, EngineClient, EngineError
+from worker.evaluation import JobEvaluation, outcome_timings
+
+log = logging.getLogger("openjev.worker")
+
+ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
+
+
+class EngineDown(Exception):
+    """The engine stopped answering its health route: this worker cannot serve."""
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
+    """The arq job: evaluate one `EvaluationJob` and store its outcome."""
+    picked_at = time.time()
+    job = EvaluationJob.model_validate(payload)
+    store: JobStore = ctx["store"]
+    worker_id: str = ctx["worker_id"]
+    if job.remaining(picked_at) <= 0:
+        await store.finish(job.id, _failure(JobStatus.expired, 504, "timeout_error",
+                                            "the job's deadline passed before a worker could start it", worker_id))
+        return
+    if not await store.start(job.id, worker_id):
+        return  # cancelled or expired while queued: spend nothing on it
+    evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], ctx["settings"].branch_max_new_tokens)
+    try:
+        result = await evaluation.run()
+    except TimeoutError:
+        outcome = _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
+                           worker_id)
+    except EngineAborted as exc:
+        outcome = _failure(JobStatus.failed, 503, "engine_aborted", str(exc), worker_id)
+    except EngineError as exc:
+        log.warning("job %s: engine error: %s", job.id, exc)
+        outcome = _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
+    except asyncio.CancelledError:
+        await asyncio.shield(store.finish(job.id, _failure(
+            JobStatus.cancelled, 499, "cancelled", "the job was cancelled", worker_id)))
+        raise
+    else:
+        outcome = JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
+                             cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
+                             worker_id=worker_id)
+    await store.finish(job.id, outcome)
+
+
+def _failure(status: JobStatus, http_status: int, error_type: str, message: str, worker_id: str) -> JobOutcome:
+    return JobOutcome(status=status, error={"error_type": error_type, "message": message}, http_status=http_status,
+                      worker_id=worker_id)
+
+
+class QueueWorker(Worker):
+    """arq's worker with a push wake-up: it blocks on its wake list between polls, so a new job
+    starts within a Redis round trip; the timeout keeps heartbeats and aborts on schedule."""
+
+    _wakeups: set[asyncio.Future[object]]
+
+    async def main(self) -> None:
+        self._wakeups = set()
+        if self._pool is None:
+            self._pool = await self._connect()
+        self.ctx["redis"] = self.pool
+        if self.on_startup:
+            await self.on_startup(self.ctx)
+        wake = keys.wake_key(self.queue_name)
+        while True:
+            await self._poll_iteration()
+            if await self.pool.blpop([wake], timeout=self.poll_delay_s):
+                await self.pool.delete(wake)  # one pass picks every queued job: drop the other tokens
+
+    async def _connect(self) -> ArqRedis:
+        from arq.connections import create_pool
+
+        return await create_pool(self.redis_settings, job_serializer=self.job_serializer,
+                                 job_deserializer=self.job_deserializer, default_queue_name=self.queue_name)
+
+    def _release_sem_dec_counter_on_complete(self) -> None:
+        super()._release_sem_dec_counter_on_complete()
+        # A slot freed: look at the queue now rather than at the next poll.
+        task = asyncio.ensure_future(self.pool.lpush(keys.wake_key(self.queue_name), b"1"))
+        self._wakeups.add(task)
+        task.add_done_callback(self._wakeups.discard)
+
+
+async def _startup(ctx: dict[str, Any]) -> None:
+    settings: Settings = ctx["settings"]
+    info: WorkerInfo = ctx["info"]
+    redis: ArqRedis = ctx["redis"]
+    ctx["store"] = JobStore(redis, settings.job_result_ttl)
+    await heartbeat(redis, info)
+    ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
+    log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
+
+
+async def _shutdown(ctx: dict[str, Any]) -> None:
+    task = ctx.get("heartbeat")
+    if task:
+        task.cancel()
+    await leave(ctx["redis"], ctx["info"].id)
+    await ctx["engine"].close()
+
+
+async def _keep_alive(ctx: dict[str, Any]) -> None:
+    """Heartbeat while the engine is healthy; stop the worker when the engine stays down."""
+    engine: EngineClient = ctx["engine"]
+    info: WorkerInfo = ctx["info"]
+    failures = 0
+    while True:
+        await asyncio.sleep(HEARTBEAT_INTERVAL)
+        ok = await engine.healthy()
+        failures = 0 if ok else failures + 1
+        info.engine_ok = ok
+        try:
+            await heartbeat(ctx["redis"], info)
+        except Exception as exc:  # Redis blips must not kill the heartbeat loop
+            log.warning("heartbeat failed: %r", exc)
+        if failures >= ENGINE_FAILURES_BEFORE_EXIT:
+            log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
+            ctx["worker"].handle_sig(15)
+            return
+
+
+def build_worker(settings: Settings) -> QueueWorker:
+    """A worker for this process, configured from `settings`."""
+    worker_id = settings.worker_id or default_worker_id()
+    queue = keys.queue_name(worker_id)
+    backend_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
+    engine = EngineClient(settings.engine_url, backend_key, max_connections=settings.max_concurrent_branches + 8,
+                          warm_token_ids_logprob=(settings.sglang_version or "").startswith("0.5.19"))
+    ctx: dict[str, Any] = {
+        "settings": settings,
+        "worker_id": worker_id,
+        "engine": engine,
+        "slots": BranchSlots(settings.max_concurrent_branches),
+        "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
+                           max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
+                           started_at=time.time()),
+    }
+    worker = QueueWorker(
+        functions=[_job_function()],
+        queue_name=queue,
+        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        max_jobs=settings.max_concurrent_requests,
+        job_timeout=max(settings.request_timeout, settings.job_timeout) + 30,
+        keep_result=0,
+        max_tries=3,
+        poll_delay=0.5,
+        allow_abort_jobs=True,
+        handle_signals=True,
+        job_serializer=serialize,
+        job_deserializer=deserialize,
+        on_startup=_startup,
+        on_shutdown=_shutdown,
+        ctx=ctx,
+    )
+    ctx["worker"] = worker
+    return worker
+
+
+def _job_function():
+    from arq.worker import func
+
+    return func(evaluate, name=keys.JOB_FUNCTION)
+
+
+def run_worker(settings: Settings) -> int:
+    """Run a worker until a signal or its engine goes away; the exit status says which."""
+    worker = build_worker(settings)
+    worker.run()
+    return 0 if worker.ctx["info"].engine_ok else 3
