@@ -1,0 +1,132 @@
+"""What the queue hop costs: the same prepared jobs evaluated directly (worker code in this
+process, straight to the engine) and through the queue (Redis + arq + a real worker process,
+completion pushed back), against the same engine, in the same run, interleaved.
+
+    uv run --extra cpu --extra dev python -m bench.queue_latency [--engine scripted|cpu] [--requests 200]
+
+Prints p50/p99 per path and the difference at concurrency 1 and 16. Figures: bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from arq.connections import RedisSettings, create_pool
+
+from api.preparation import JobPreparer
+from api.queue import CompletionWaiter, JobQueue
+from common.contract import EXAMPLE_REQUEST, SystemOneRequest
+from common.jobs import deserialize, serialize
+from common.jobstore import JobStore
+from common.prompt import PromptCompiler
+from common.settings import Settings
+from common.tokenizer import load_tokenizer
+from openjev.embedded_redis import start_redis
+from tests.conftest import model_cache_dir
+from tests.processes import start_cpu_engine, start_scripted_engine, start_worker
+from worker.branch_slots import BranchSlots
+from worker.engine_client import EngineClient
+from worker.evaluation import JobEvaluation
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def measure(concurrency: int, requests: int, run_one) -> list[float]:
+    """Latencies (ms) of `requests` calls of `run_one`, `concurrency` at a time."""
+    latencies: list[float] = []
+    gate = asyncio.Semaphore(concurrency)
+
+    async def timed() -> None:
+        async with gate:
+            started = time.perf_counter()
+            await run_one()
+            latencies.append((time.perf_counter() - started) * 1000)
+
+    await asyncio.gather(*(timed() for _ in range(requests)))
+    return latencies
+
+
+async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: JobPreparer, requests: int) -> list[str]:
+    redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
+    waiter = CompletionWaiter(redis)
+    await waiter.start()
+    queue = JobQueue(redis, JobStore(redis, 600), waiter)
+    engine = EngineClient(engine_url, max_connections=128)
+    slots = BranchSlots(settings.max_concurrent_branches)
+    request = SystemOneRequest.model_validate(EXAMPLE_REQUEST)
+
+    async def direct() -> None:
+        job = preparer.prepare(request, "req_bench", 60)
+        await JobEvaluation(job, engine, slots).run()
+
+    async def queued() -> None:
+        job = preparer.prepare(request, "req_bench", 60)
+        await queue.submit(job)
+        record = await queue.wait(job.id, 60)
+        assert record is not None and record.outcome is not None and record.outcome.result is not None
+
+    while not await queue.workers():
+        await asyncio.sleep(0.2)
+    for _ in range(5):  # warm both paths (connections, engine cache)
+        await direct()
+        await queued()
+    lines = ["| concurrency | path | p50 ms | p99 ms |", "|---|---|---|---|"]
+    for concurrency in (1, 16):
+        direct_ms: list[float] = []
+        queued_ms: list[float] = []
+        for _ in range(4):  # interleave rounds so drift in machine load hits both paths alike
+            direct_ms += await measure(concurrency, requests // 4, direct)
+            queued_ms += await measure(concurrency, requests // 4, queued)
+        for name, values in (("direct", direct_ms), ("queued", queued_ms)):
+            lines.append(f"| {concurrency} | {name} | {percentile(values, 0.5):.2f} | {percentile(values, 0.99):.2f} |")
+        lines.append(f"| {concurrency} | **queue adds** | {percentile(queued_ms, 0.5) - percentile(direct_ms, 0.5):+.2f}"
+                     f" | {percentile(queued_ms, 0.99) - percentile(direct_ms, 0.99):+.2f} |")
+        lines.append(f"| {concurrency} | mean of direct / queued | {statistics.mean(direct_ms):.2f}"
+                     f" | {statistics.mean(queued_ms):.2f} |")
+    await waiter.stop()
+    await engine.close()
+    await redis.aclose()
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["scripted", "cpu"], default="scripted")
+    parser.add_argument("--requests", type=int, default=200, help="per path and concurrency")
+    args = parser.parse_args()
+
+    from worker.cpu_engine.model import ensure_converted
+
+    model_dir = ensure_converted(model_cache_dir())
+    log_dir = Path(tempfile.mkdtemp(prefix="openjev-bench-"))
+    redis_process, redis_url = start_redis()
+    if args.engine == "scripted":
+        engine = start_scripted_engine(log_dir)
+    else:
+        engine = start_cpu_engine(log_dir, model_cache_dir())
+    settings = Settings(redis_url=redis_url, tokenizer=str(model_dir))
+    worker = start_worker(log_dir, {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir)},
+                          engine.url or "", "bench-0")
+    try:
+        preparer = JobPreparer(settings, PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir))))
+        lines = asyncio.run(bench(engine.url or "", redis_url, settings, preparer, args.requests))
+    finally:
+        worker.stop()
+        engine.stop()
+        redis_process.terminate()
+    print(f"engine: {args.engine}; {args.requests} requests per path and concurrency; example request (3 questions)")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

