@@ -8,17 +8,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
-from common.prompt import PromptCompiler
 from fastapi import FastAPI
 
 from api.docs import install_docs
 from api.errors import install_error_handlers
+from api.jobs import router as jobs_router
 from api.middleware import BodyGate, RequestContext
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from api.routes import router
 from common.jobs import deserialize, serialize
 from common.jobstore import JobStore
+from common.prompt import PromptCompiler
 from common.settings import Settings
 
 DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
@@ -75,6 +76,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(jobs_router)
     install_docs(app)
     app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContext)

@@ -6,18 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from arq.connections import ArqRedis
 from arq.constants import abort_jobs_ss
 from redis.exceptions import RedisError
 
-from api.errors import NoWorker, QueueUnavailable
+from api.errors import NoWorker, Overloaded, QueueUnavailable
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus
 from common.jobstore import JobRecord, JobStore
 from common.membership import WorkerInfo, live_workers
-from common.routing import route_job
+from common.routing import rank_workers, route_job
 
 log = logging.getLogger("openjev.api")
 
@@ -105,8 +106,7 @@ class JobQueue:
                            {"Retry-After": "5"})
         try:
             lengths = await self.queue_lengths(workers)
-            chosen = route_job(job.prefix_hash, lengths, self.load_factor)
-            queue = next(w.queue for w in workers if w.id == chosen)
+            queue = self._admit(job, workers, lengths)
             await self.store.create(job.id, job.request_id, job.created_at, job.deadline_at, queue)
             await self.redis.enqueue_job(keys.JOB_FUNCTION, job.model_dump(mode="json"), _job_id=job.id,
                                          _queue_name=queue, _expires=max(1.0, job.remaining()) + 60)
@@ -114,6 +114,21 @@ class JobQueue:
         except (RedisError, OSError) as exc:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
         return queue
+
+    def _admit(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int]) -> str:
+        """The queue for `job`: its routed worker, or the next in its ranking that can finish it
+        before its deadline; 529 when none can (a burst waits in Redis only while it can succeed)."""
+        by_id = {w.id: w for w in workers}
+        chosen = route_job(job.prefix_hash, lengths, self.load_factor)
+        remaining = job.remaining()
+        candidates = [chosen, *(w for w in rank_workers(job.prefix_hash, list(by_id)) if w != chosen)]
+        for worker_id in candidates:
+            if by_id[worker_id].expected_finish(lengths[worker_id]) <= remaining:
+                return by_id[worker_id].queue
+        soonest = min(by_id[w].expected_finish(lengths[w]) for w in candidates)
+        retry = max(1, math.ceil(soonest - remaining))
+        raise Overloaded(f"every worker's queue would finish this request after its deadline "
+                         f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
     async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
         """The job's record once it ends, or None if `timeout` seconds pass first."""

@@ -88,8 +88,9 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
             queued_ms += await measure(concurrency, requests // 4, queued)
         for name, values in (("direct", direct_ms), ("queued", queued_ms)):
             lines.append(f"| {concurrency} | {name} | {percentile(values, 0.5):.2f} | {percentile(values, 0.99):.2f} |")
-        lines.append(f"| {concurrency} | **queue adds** | {percentile(queued_ms, 0.5) - percentile(direct_ms, 0.5):+.2f}"
-                     f" | {percentile(queued_ms, 0.99) - percentile(direct_ms, 0.99):+.2f} |")
+        added_p50 = percentile(queued_ms, 0.5) - percentile(direct_ms, 0.5)
+        added_p99 = percentile(queued_ms, 0.99) - percentile(direct_ms, 0.99)
+        lines.append(f"| {concurrency} | **queue adds** | {added_p50:+.2f} | {added_p99:+.2f} |")
         lines.append(f"| {concurrency} | mean of direct / queued | {statistics.mean(direct_ms):.2f}"
                      f" | {statistics.mean(queued_ms):.2f} |")
     await waiter.stop()

@@ -24,6 +24,16 @@ def worker_key(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
 
+def lease_key(worker_id: str) -> str:
+    """Who may serve this worker id's queue right now (expires without heartbeats)."""
+    return f"{PREFIX}lease:{worker_id}"
+
+
+def reap_lock_key(worker_id: str) -> str:
+    """Held briefly by the worker moving a vanished worker's jobs elsewhere."""
+    return f"{PREFIX}reap:{worker_id}"
+
+
 def job_key(job_id: str) -> str:
     """Hash: the job's status record and, once finished, its outcome."""
     return f"{PREFIX}job:{job_id}"

@@ -24,8 +24,16 @@ class WorkerInfo(BaseModel):
     max_jobs: int
     max_branches: int
     engine_ok: bool = True
+    running: int = 0  # jobs being evaluated now
+    avg_job_seconds: float = 0.0  # moving average of recent jobs' evaluation time (0 = no data yet)
     started_at: float
     heartbeat_at: float = 0.0
+
+
+    def expected_finish(self, queued: int) -> float:
+        """Seconds a new job would take here: the queue ahead drains `max_jobs` at a time, then it runs."""
+        ahead = queued + max(0, self.running - self.max_jobs + 1)
+        return (ahead / self.max_jobs + 1) * self.avg_job_seconds
 
 
 async def heartbeat(redis: Redis, info: WorkerInfo) -> None:

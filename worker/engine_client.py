@@ -39,7 +39,10 @@ class EngineClient:
             base_url=base_url,
             headers=headers,
             timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Expire idle connections before the engine's uvicorn does (5 s), or a reused one may be
+            # closed under a request in flight.
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=2.0),
         )
         self.warm_token_ids_logprob = warm_token_ids_logprob
 

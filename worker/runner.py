@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -12,6 +13,7 @@ from typing import Any
 
 from arq import Worker
 from arq.connections import ArqRedis, RedisSettings
+from redis.exceptions import RedisError
 
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
@@ -21,10 +23,12 @@ from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
 from worker.evaluation import JobEvaluation, outcome_timings
+from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_jobs
 
 log = logging.getLogger("openjev.worker")
 
 ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
+REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
 
 
 class EngineDown(Exception):
@@ -47,26 +51,41 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         return
     if not await store.start(job.id, worker_id):
         return  # cancelled or expired while queued: spend nothing on it
+    info: WorkerInfo = ctx["info"]
+    info.running += 1
+    try:
+        outcome = await _run(ctx, job, picked_at)
+    finally:
+        info.running -= 1
+    if outcome.status is JobStatus.succeeded:
+        info.avg_job_seconds = _moving_average(info.avg_job_seconds, time.time() - picked_at)
+    await store.finish(job.id, outcome)
+
+
+async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
+    worker_id: str = ctx["worker_id"]
     evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], ctx["settings"].branch_max_new_tokens)
     try:
         result = await evaluation.run()
     except TimeoutError:
-        outcome = _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
-                           worker_id)
+        return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
+                        worker_id)
     except EngineAborted as exc:
-        outcome = _failure(JobStatus.failed, 503, "engine_aborted", str(exc), worker_id)
+        return _failure(JobStatus.failed, 503, "engine_aborted", str(exc), worker_id)
     except EngineError as exc:
         log.warning("job %s: engine error: %s", job.id, exc)
-        outcome = _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
+        return _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
     except asyncio.CancelledError:
-        await asyncio.shield(store.finish(job.id, _failure(
+        await asyncio.shield(ctx["store"].finish(job.id, _failure(
             JobStatus.cancelled, 499, "cancelled", "the job was cancelled", worker_id)))
         raise
-    else:
-        outcome = JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
-                             cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
-                             worker_id=worker_id)
-    await store.finish(job.id, outcome)
+    return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
+                      cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
+                      worker_id=worker_id)
+
+
+def _moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
+    return sample if previous == 0 else (1 - weight) * previous + weight * sample
 
 
 def _failure(status: JobStatus, http_status: int, error_type: str, message: str, worker_id: str) -> JobOutcome:
@@ -89,9 +108,13 @@ class QueueWorker(Worker):
             await self.on_startup(self.ctx)
         wake = keys.wake_key(self.queue_name)
         while True:
-            await self._poll_iteration()
-            if await self.pool.blpop([wake], timeout=self.poll_delay_s):
-                await self.pool.delete(wake)  # one pass picks every queued job: drop the other tokens
+            try:
+                await self._poll_iteration()
+                if await self.pool.blpop([wake], timeout=self.poll_delay_s):
+                    await self.pool.delete(wake)  # one pass picks every queued job: drop the other tokens
+            except (RedisError, OSError) as exc:  # Redis restarting: keep the jobs in hand, retry
+                log.warning("queue unreachable (%r); retrying", exc)
+                await asyncio.sleep(0.5)
 
     async def _connect(self) -> ArqRedis:
         from arq.connections import create_pool
@@ -112,6 +135,9 @@ async def _startup(ctx: dict[str, Any]) -> None:
     info: WorkerInfo = ctx["info"]
     redis: ArqRedis = ctx["redis"]
     ctx["store"] = JobStore(redis, settings.job_result_ttl)
+    ctx["lease"] = lease = Lease(redis, info.id)
+    await lease.acquire()
+    await resume_own_jobs(redis, info.queue)
     await heartbeat(redis, info)
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
@@ -121,26 +147,41 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     task = ctx.get("heartbeat")
     if task:
         task.cancel()
-    await leave(ctx["redis"], ctx["info"].id)
+    with contextlib.suppress(RedisError, OSError):
+        await leave(ctx["redis"], ctx["info"].id)
+        if await ctx["redis"].zcard(ctx["info"].queue) == 0:
+            await ctx["lease"].release()  # nothing left behind: a successor need not wait the lease out
     await ctx["engine"].close()
 
 
 async def _keep_alive(ctx: dict[str, Any]) -> None:
-    """Heartbeat while the engine is healthy; stop the worker when the engine stays down."""
+    """Heartbeat and keep the lease while the engine is healthy; move vanished workers' jobs;
+    stop the worker when the engine stays down or the lease is lost."""
     engine: EngineClient = ctx["engine"]
     info: WorkerInfo = ctx["info"]
     failures = 0
+    beats = 0
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL)
         ok = await engine.healthy()
         failures = 0 if ok else failures + 1
         info.engine_ok = ok
+        beats += 1
         try:
+            await ctx["lease"].renew()
             await heartbeat(ctx["redis"], info)
-        except Exception as exc:  # Redis blips must not kill the heartbeat loop
+            if ok and beats % REAP_EVERY == 0:
+                await reap_vanished_workers(ctx["redis"], ctx["store"])
+        except LeaseLost as exc:
+            log.error("%s; worker %s stops", exc, info.id)
+            ctx["exit_code"] = 4
+            ctx["worker"].handle_sig(15)
+            return
+        except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
             log.warning("heartbeat failed: %r", exc)
         if failures >= ENGINE_FAILURES_BEFORE_EXIT:
             log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
+            ctx["exit_code"] = 3
             ctx["worker"].handle_sig(15)
             return
 
@@ -192,4 +233,4 @@ def run_worker(settings: Settings) -> int:
     """Run a worker until a signal or its engine goes away; the exit status says which."""
     worker = build_worker(settings)
     worker.run()
-    return 0 if worker.ctx["info"].engine_ok else 3
+    return int(worker.ctx.get("exit_code", 0))
