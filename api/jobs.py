@@ -17,7 +17,7 @@ from api.auth import require_key
 from api.errors import ApiError, JobNotFound
 from api.routes import ERRORS
 from common import keys
-from common.contract import EXAMPLE_REQUEST, ErrorDetail, SystemOneRequest
+from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
 from common.jobs import JobStatus
 from common.jobstore import JobRecord
 
@@ -69,7 +69,8 @@ async def submit_job(request: Request, response: Response,
     return _located(response, _view(record), status=202)
 
 
-@router.get("/v1/jobs/{job_id}", response_model=JobView, responses={404: ERRORS[400] | {"description": "Unknown"}},
+@router.get("/v1/jobs/{job_id}", response_model=JobView, response_model_exclude_none=True,
+            responses={404: {"model": ErrorBody, "description": "Unknown job, or its result expired"}},
             summary="Read a job, optionally waiting for it to finish")
 async def get_job(request: Request, job_id: str,
                   wait: float = Query(default=0.0, ge=0.0, le=MAX_WAIT,
@@ -82,7 +83,7 @@ async def get_job(request: Request, job_id: str,
     return _view(await _expire_if_overdue(request, record))
 
 
-@router.delete("/v1/jobs/{job_id}", response_model=JobView, summary="Cancel a job")
+@router.delete("/v1/jobs/{job_id}", response_model=JobView, response_model_exclude_none=True, summary="Cancel a job")
 async def cancel_job(request: Request, job_id: str) -> Any:
     """Ends a queued or running job as `cancelled` and aborts its engine calls; a finished job is unchanged."""
     queue = request.app.state.services.queue

@@ -37,6 +37,8 @@ def create_app() -> FastAPI:
     stats = {"requests_received": 0, "requests_finished": 0, "requests_aborted": 0, "aborts_received": 0,
              "prompt_tokens": 0, "cached_tokens": 0}
     live: dict[str, asyncio.Event] = {}
+    received: list[str] = []  # rids in arrival order
+    finished: list[str] = []  # rids answered with logprobs, in order
     seen: list[tuple[int, ...]] = []
 
     @app.post("/script")
@@ -47,7 +49,7 @@ def create_app() -> FastAPI:
 
     @app.get("/stats")
     async def get_stats() -> dict[str, Any]:
-        return {**stats, "live": sorted(live)}
+        return {**stats, "live": sorted(live), "received": received, "finished": finished}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -71,6 +73,7 @@ def create_app() -> FastAPI:
         rid = body["rid"]
         ids = body["input_ids"]
         stats["requests_received"] += 1
+        received.append(rid)
         if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix):
             await asyncio.sleep(script.fail_delay)
             return JSONResponse({"object": "error", "message": "scripted failure"}, status_code=script.fail_status)
@@ -89,6 +92,7 @@ def create_app() -> FastAPI:
         cached = min(cached, len(ids) - 1)
         seen.append(tuple(ids))
         stats["requests_finished"] += 1
+        finished.append(rid)
         stats["prompt_tokens"] += len(ids)
         stats["cached_tokens"] += cached
         labels = body.get("token_ids_logprob") or []

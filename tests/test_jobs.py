@@ -1,0 +1,106 @@
+"""Async jobs: submit, long-poll, cancel, idempotent retries; same validation as the sync route."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import Stack
+from tests.test_api_contract import INVALID, NOUL, SCORE, body
+
+
+@pytest.fixture(autouse=True)
+def _reset_script(scripted_stack: Stack):
+    scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_delay=0.0, report_cached=True)
+    yield
+
+
+def submit(stack: Stack, payload: dict, **headers: str) -> httpx.Response:
+    return httpx.post(stack.url + "/v1/jobs", json=payload, headers=headers, timeout=30)
+
+
+def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: Stack) -> None:
+    r = submit(scripted_stack, body())
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert set(job) == {"id", "status", "created_at", "deadline_at"}
+    assert re.fullmatch(r"job_[0-9a-f]{32}", job["id"])
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["status"] in ("queued", "running", "succeeded")
+
+
+def test_waiting_get_returns_exactly_the_sync_body(scripted_stack: Stack) -> None:
+    payload = body({"a": NOUL, "b": SCORE})
+    job = submit(scripted_stack, payload).json()
+    got = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
+    assert got["status"] == "succeeded"
+    sync = scripted_stack.post(payload).json()
+    assert got["result"] == sync  # same state, same questions: the same answers and usage, byte for byte in JSON
+    assert "error" not in got
+
+
+def test_wait_is_bounded_and_returns_the_pending_status(scripted_stack: Stack) -> None:
+    scripted_stack.script(delay=3.0)
+    job = submit(scripted_stack, body()).json()
+    started = time.monotonic()
+    got = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 1}, timeout=30).json()
+    assert 0.9 <= time.monotonic() - started < 2.5
+    assert got["status"] in ("queued", "running")
+    too_long = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 31}, timeout=30)
+    assert too_long.status_code == 422
+
+
+def test_delete_cancels_a_running_job_and_aborts_its_calls_in_the_engine(scripted_stack: Stack) -> None:
+    scripted_stack.script(delay=5.0)
+    before = scripted_stack.engine_stats()
+    job = submit(scripted_stack, body({"a": NOUL, "b": NOUL})).json()
+    url = f"{scripted_stack.url}/v1/jobs/{job['id']}"
+    deadline = time.monotonic() + 10
+    while httpx.get(url).json()["status"] != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the warm call is in the engine
+    cancelled = httpx.delete(url, timeout=30).json()
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["error"]["error_type"] == "cancelled"
+    time.sleep(1.0)
+    after = scripted_stack.engine_stats()
+    assert after["aborts_received"] > before["aborts_received"]
+    assert after["requests_aborted"] > before["requests_aborted"]
+    assert [rid for rid in after["received"] if rid.startswith(job["id"])]  # it did reach the engine
+    assert not [rid for rid in after["finished"] if rid.startswith(job["id"])]  # and nothing of it ran to the end
+    assert httpx.get(url).json()["status"] == "cancelled"
+
+
+def test_idempotency_key_returns_the_same_job_for_a_retried_submission(scripted_stack: Stack) -> None:
+    key = f"retry-{time.monotonic_ns()}"
+    first = submit(scripted_stack, body(), **{"Idempotency-Key": key})
+    second = submit(scripted_stack, body(), **{"Idempotency-Key": key})
+    assert first.status_code == 202 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    other = submit(scripted_stack, body({"z": SCORE}), **{"Idempotency-Key": key})
+    assert other.status_code == 409
+    assert other.json()["detail"]["error_type"] == "idempotency_error"
+
+
+def test_unknown_job_is_404_in_the_error_shape(scripted_stack: Stack) -> None:
+    r = httpx.get(f"{scripted_stack.url}/v1/jobs/job_{'0' * 32}")
+    assert r.status_code == 404
+    assert r.json()["detail"]["error_type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("case", ["missing-state", "type-boolean", "too-many-options", "over-token-budget"])
+def test_invalid_submissions_get_the_same_4xx_before_anything_is_queued(scripted_stack: Stack, case: str) -> None:
+    before = scripted_stack.engine_stats()["requests_received"]
+    sync = scripted_stack.post(INVALID[case])
+    job = submit(scripted_stack, INVALID[case])
+    assert job.status_code == sync.status_code == 422
+    assert job.json()["detail"][0]["loc"] == sync.json()["detail"][0]["loc"]
+    assert scripted_stack.engine_stats()["requests_received"] == before
+
+
+def test_jobs_routes_are_documented_in_the_openapi_schema(scripted_stack: Stack) -> None:
+    paths = httpx.get(scripted_stack.url + "/openapi.json").json()["paths"]
+    assert {"post"} <= set(paths["/v1/jobs"]) and {"get", "delete"} <= set(paths["/v1/jobs/{job_id}"])
