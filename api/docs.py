@@ -12,9 +12,12 @@ from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).parent / "static"
 
+# Both pages carry an empty inline icon: without one the browser asks for /favicon.ico and logs
+# the 404 as a console error.
 _SCALAR = """<!doctype html>
 <html><head><meta charset="utf-8"><title>openjev API reference</title>
-<meta name="viewport" content="width=device-width, initial-scale=1"></head>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,"></head>
 <body><div id="app"></div>
 <script src="/static/scalar/standalone.js"></script>
 <script>Scalar.createApiReference('#app', %s);</script>
@@ -22,6 +25,7 @@ _SCALAR = """<!doctype html>
 
 _SWAGGER = """<!doctype html>
 <html><head><meta charset="utf-8"><title>openjev: Swagger UI</title>
+<link rel="icon" href="data:,">
 <link rel="stylesheet" href="/static/swagger-ui/swagger-ui.css"></head>
 <body><div id="swagger-ui"></div>
 <script src="/static/swagger-ui/swagger-ui-bundle.js"></script>
@@ -35,6 +39,7 @@ SCALAR_CONFIG = {
     "telemetry": False,
     "agent": {"disabled": True},
     "mcp": {"disabled": True},
+    "showDeveloperTools": "never",  # its Share and Deploy menus talk to scalar.com; nothing to offer self-hosted
 }
 
 

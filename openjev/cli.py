@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else every engine health check is a log line
     return int(args.run(args) or 0)
 
 
@@ -29,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     engine = serve.add_mutually_exclusive_group()
     engine.add_argument("--connect", metavar="URL", help="use a running SGLang server instead of the CPU engine")
     engine.add_argument("--sglang-python", metavar="PATH", help="launch SGLang with this Python interpreter")
-    serve.add_argument("--workers", type=int, default=1, help="worker + CPU engine pairs (a local fake fleet)")
+    serve.add_argument("--workers", type=_positive, default=1, metavar="N",
+                       help="N worker + CPU engine pairs (ids local-0..N-1): a local stand-in for N GPUs, "
+                            "jobs routed by prefix hash (default 1)")
     serve.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
 
@@ -49,14 +53,41 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--compute-delay", type=float, default=0.0, help="seconds to stall each request (tests)")
     eng.set_defaults(run=_engine)
 
+    batch = sub.add_parser("batch", help="classify a JSONL file of states through the async jobs API (resumable)",
+                           description="Classify INPUT.jsonl through POST /v1/jobs, writing one record per input "
+                                       "line to OUT.jsonl in input order; rerun the same command to resume. Exit "
+                                       "status: 0 every line answered, 1 some lines recorded an error, 2 bad usage.")
+    batch.add_argument("input", type=Path, metavar="INPUT.jsonl",
+                       help='one request body, {"state": ...} or a bare JSON string per line')
+    batch.add_argument("--url", required=True, help="the server root, e.g. http://127.0.0.1:8000")
+    batch.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl",
+                       help="the records, one per input line (OUT.jsonl.partial while running)")
+    batch.add_argument("--questions", type=Path, metavar="questions.json",
+                       help="questions for lines that carry none: a questions object or a whole request body")
+    batch.add_argument("--model", default="jev-latest", help="model for lines that name none (default jev-latest)")
+    batch.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once (default 8)")
+    batch.add_argument("--key-env", metavar="VAR", help="send the API key held in this environment variable")
+    batch.add_argument("--retry-errors", action="store_true", help="on resume, redo lines recorded with an error")
+    batch.set_defaults(run=_batch)
+
     schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)")
     schema.set_defaults(run=_schema)
     return parser
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from openjev.serve import ServeOptions, Supervisor
 
+    if args.workers > 1 and (args.connect or args.sglang_python):
+        raise SystemExit("openjev serve: --workers N > 1 runs N CPU engines; on GPUs run one SGLang + worker pair "
+                         "per GPU (compose.yaml, or `openjev worker` beside each engine)")
     options = ServeOptions(host=args.host, port=args.port, connect=args.connect, sglang_python=args.sglang_python,
                            workers=args.workers, compute_delay=args.compute_delay)
     return Supervisor(get_settings(), options).run()
@@ -84,6 +115,18 @@ def _engine(args: argparse.Namespace) -> int:
     cache_dir = args.cache_dir or get_settings().cache_dir / "models"
     run(args.host, args.port, args.model, cache_dir, compute_delay=args.compute_delay)
     return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from openjev.batch import BatchOptions, run_batch
+
+    key = os.environ.get(args.key_env) if args.key_env else None
+    if args.key_env and not key:
+        print(f"openjev batch: the environment variable {args.key_env} is not set", file=sys.stderr)
+        return 2
+    return run_batch(BatchOptions(input=args.input, output=args.output, url=args.url, questions=args.questions,
+                                  model=args.model, concurrency=args.concurrency, api_key=key,
+                                  retry_errors=args.retry_errors))
 
 
 def _schema(_: argparse.Namespace) -> int:

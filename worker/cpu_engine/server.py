@@ -108,8 +108,11 @@ class EngineStats:
     forward_passes: int = 0  # model forward calls
 
 
-def expand(body: GenerateBody, vocab_size: int, max_context: int) -> list[StepRequest]:
-    """Validate a /generate body and split it into one StepRequest per prompt; raises BadRequest."""
+def expand(body: GenerateBody, vocab_size: int, max_context: int) -> tuple[list[StepRequest], bool]:
+    """Validate a /generate body and split it into one StepRequest per prompt; raises BadRequest.
+
+    Returns the prompts and whether the body was a batch (answered with a list).
+    """
     if body.stream:
         raise BadRequest("stream is not supported by the reference CPU engine")
     if body.input_ids is None:
@@ -119,8 +122,9 @@ def expand(body: GenerateBody, vocab_size: int, max_context: int) -> list[StepRe
     batched = isinstance(body.input_ids[0], list)
     prompts: list[list[int]] = body.input_ids if batched else [body.input_ids]  # type: ignore[assignment]
     rids = _rids(body.rid, len(prompts), batched)
-    return [_step(body, i, len(prompts), prompt, rids[i], vocab_size, max_context)
-            for i, prompt in enumerate(prompts)]
+    steps = [_step(body, i, len(prompts), prompt, rids[i], vocab_size, max_context)
+             for i, prompt in enumerate(prompts)]
+    return steps, batched
 
 
 def _rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:
@@ -265,9 +269,10 @@ class ComputeQueue:
 
     def _settle(self, job: Job, body: dict[str, Any] | BaseException) -> None:
         # Runs on the event loop: the one place a job ends, so each ends once and is counted once.
+        if self._live.get(job.step.rid) is job:
+            del self._live[job.step.rid]
         if job.future.done():
             return
-        self._live.pop(job.step.rid, None)
         if isinstance(body, BaseException):
             job.future.set_exception(body)
             return
@@ -396,13 +401,14 @@ def create_app(model: LoadedModel, compute_delay: float = 0.0, cache_tokens: int
 
     @app.post("/generate")
     async def generate(body: GenerateBody, request: Request) -> Any:
-        jobs = compute.submit(expand(body, model.vocab_size, model.max_context))
+        steps, batched = expand(body, model.vocab_size, model.max_context)
+        jobs = compute.submit(steps)
         await _await_answers(request, compute, jobs)
         try:
             answers = [job.future.result() for job in jobs]
         except Exception as exc:
             return _error(500, f"compute failed: {exc!r}")
-        return answers if isinstance(body.input_ids[0], list) else answers[0]  # type: ignore[index]
+        return answers if batched else answers[0]
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody) -> Response:
