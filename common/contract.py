@@ -148,7 +148,7 @@ EXAMPLE_REQUEST: dict[str, Any] = {
             "criteria": {
                 "Billing": "Payments, invoices, refunds",
                 "Technical": "Bugs, outages, integrations",
-                "Sales": None,
+                "Sales": "Pricing, upgrades, new contracts",
             },
         },
         "urgency": {

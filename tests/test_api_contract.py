@@ -231,3 +231,10 @@ def test_auth_missing_key_is_403_wrong_key_401_bearer_only(keyed_api) -> None:
 def test_auth_off_accepts_and_ignores_any_authorization_header(scripted_stack: Stack) -> None:
     r = scripted_stack.post(body(), headers={"Authorization": "Bearer whatever"})
     assert r.status_code == 200
+
+
+def test_the_readme_example_file_is_the_documented_example() -> None:
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "request.json"
+    assert orjson.loads(example.read_bytes()) == EXAMPLE_REQUEST
