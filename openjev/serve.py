@@ -1,7 +1,8 @@
 """`openjev serve`: the whole stack on one machine as a supervised process group. An embedded
 Redis, the engine(s), one worker per engine and the API. A worker that dies is restarted (its jobs
-wait in Redis); if Redis, an engine or the API dies, everything stops and serve exits non-zero so
-a container platform replaces it."""
+wait in Redis); if Redis, an engine or the API dies, or a worker exits because its engine stopped
+answering (status 3, e.g. a `--connect` engine), everything stops and serve exits non-zero so a
+container platform replaces it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 
 from common.settings import Settings
 from openjev.embedded_redis import free_port, start_redis
+from worker.runner import EXIT_ENGINE_DOWN
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ENGINE_START_TIMEOUT = 600.0  # first start converts the GGUF; SGLang loads weights and captures graphs
@@ -156,7 +158,8 @@ class Supervisor:
                 code = child.process.poll() if child.process else None
                 if code is None:
                     continue
-                if child.restart and self._may_restart(child):
+                # A worker whose engine is down cannot be cured by a restart: that stops the group too.
+                if child.restart and code != EXIT_ENGINE_DOWN and self._may_restart(child):
                     _log(f"{child.name} exited with {code}; restarting it (its jobs wait in Redis)")
                     child.start()
                     continue
@@ -174,18 +177,17 @@ class Supervisor:
         self._stopping = True
 
     def _stop_all(self) -> None:
+        # Reverse start order: the API stops taking requests first, Redis goes last.
         for child in reversed(self.children):
-            if child.process and child.process.poll() is None:
-                child.process.terminate()
-        deadline = time.monotonic() + 10
-        for child in reversed(self.children):
-            if child.process is None:
+            process = child.process
+            if process is None or process.poll() is not None:
                 continue
+            process.terminate()
             try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.options.host in ("0.0.0.0", "::") else self.options.host
