@@ -10,15 +10,17 @@ import math
 import time
 
 from arq.connections import ArqRedis
-from arq.constants import abort_jobs_ss
+from arq.constants import abort_jobs_ss, job_key_prefix
+from arq.jobs import serialize_job
 from redis.exceptions import RedisError
 
 from api.errors import NoWorker, Overloaded, QueueUnavailable
 from common import keys
-from common.jobs import EvaluationJob, JobOutcome, JobStatus
+from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.jobstore import JobRecord, JobStore
 from common.membership import WorkerInfo, live_workers
-from common.routing import rank_workers, route_job
+from common.routing import rank_workers, round_robin, route_job
+from common.settings import RoutingPolicy
 
 log = logging.getLogger("openjev.api")
 
@@ -77,11 +79,14 @@ class CompletionWaiter:
 class JobQueue:
     """Submits evaluation jobs to the routed worker's queue and waits for their outcome."""
 
-    def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25) -> None:
+    def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25,
+                 routing: RoutingPolicy = RoutingPolicy.hash) -> None:
+        """`load_factor`: c of the bounded-load fallback; `routing`: hash (production) or round_robin."""
         self.redis = redis
         self.store = store
         self.waiter = waiter
         self.load_factor = load_factor
+        self.routing = routing
 
     async def workers(self) -> list[WorkerInfo]:
         """The live workers, or QueueUnavailable when Redis cannot be reached."""
@@ -106,20 +111,36 @@ class JobQueue:
                            {"Retry-After": "5"})
         try:
             lengths = await self.queue_lengths(workers)
-            queue = self._admit(job, workers, lengths)
-            await self.store.create(job.id, job.request_id, job.created_at, job.deadline_at, queue)
-            await self.redis.enqueue_job(keys.JOB_FUNCTION, job.model_dump(mode="json"), _job_id=job.id,
-                                         _queue_name=queue, _expires=max(1.0, job.remaining()) + 60)
-            await self.redis.lpush(keys.wake_key(queue), b"1")
+            queue = self._admit(job, workers, lengths, await self._route(job, lengths))
+            await self._enqueue(job, queue)
         except (RedisError, OSError) as exc:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
         return queue
 
-    def _admit(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int]) -> str:
-        """The queue for `job`: its routed worker, or the next in its ranking that can finish it
+    async def _enqueue(self, job: EvaluationJob, queue: str) -> None:
+        """Record, enqueue and wake in one round trip. This is arq's `enqueue_job` without its
+        WATCH/EXISTS guard, which only protects caller-chosen ids; ours are fresh and random."""
+        now_ms = int(time.time() * 1000)
+        payload = serialize_job(keys.JOB_FUNCTION, (job.model_dump(mode="json"),), {}, None, now_ms,
+                                serializer=serialize)
+        expires_ms = int((max(1.0, job.remaining()) + 60) * 1000)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            self.store.stage_create(pipe, job.id, job.request_id, job.created_at, job.deadline_at, queue)
+            pipe.psetex(job_key_prefix + job.id, expires_ms, payload)
+            pipe.zadd(queue, {job.id: now_ms})
+            pipe.lpush(keys.wake_key(queue), b"1")
+            await pipe.execute()
+
+    async def _route(self, job: EvaluationJob, lengths: dict[str, int]) -> str:
+        """The worker the routing policy picks, from Redis state alone (the same in every API replica)."""
+        if self.routing is RoutingPolicy.round_robin:
+            return round_robin(await self.redis.incr(keys.ROUND_ROBIN_TURN), list(lengths))
+        return route_job(job.prefix_hash, lengths, self.load_factor)
+
+    def _admit(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int], chosen: str) -> str:
+        """The queue for `job`: the `chosen` worker, or the next in its ranking that can finish it
         before its deadline; 529 when none can (a burst waits in Redis only while it can succeed)."""
         by_id = {w.id: w for w in workers}
-        chosen = route_job(job.prefix_hash, lengths, self.load_factor)
         remaining = job.remaining()
         candidates = [chosen, *(w for w in rank_workers(job.prefix_hash, list(by_id)) if w != chosen)]
         for worker_id in candidates:
@@ -131,12 +152,17 @@ class JobQueue:
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
     async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
-        """The job's record once it ends, or None if `timeout` seconds pass first."""
+        """The job's record once it ends, or None if `timeout` seconds pass first; QueueUnavailable
+        (503, never a 500 or a hang) if Redis goes away meanwhile."""
         deadline = time.monotonic() + timeout
         future = self.waiter.expect(job_id)
         try:
             while True:
-                record = await self.store.get(job_id)
+                try:
+                    record = await self.store.get(job_id)
+                except (RedisError, OSError) as exc:
+                    raise QueueUnavailable("the job queue became unreachable; retry shortly",
+                                           {"Retry-After": "2"}) from exc
                 if record is None or record.status.terminal:
                     return record
                 left = deadline - time.monotonic()
@@ -151,11 +177,14 @@ class JobQueue:
         """End the job as `status` unless it already ended, and have its worker abort it."""
         outcome = JobOutcome(status=status, error={"error_type": error_type, "message": message},
                              http_status=http_status)
-        won = await self.store.finish(job_id, outcome)
-        record = await self.store.get(job_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
-            if record is not None and record.queue:
-                pipe.lpush(keys.wake_key(record.queue), b"1")
-            await pipe.execute()
+        try:
+            won = await self.store.finish(job_id, outcome)
+            record = await self.store.get(job_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
+                if record is not None and record.queue:
+                    pipe.lpush(keys.wake_key(record.queue), b"1")
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
         return won

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from common import keys
 from common.jobs import JobOutcome, JobStatus
@@ -58,20 +59,19 @@ class JobStore:
         self._start = redis.register_script(_START)
         self._finish = redis.register_script(_FINISH)
 
-    async def create(self, job_id: str, request_id: str, created_at: float, deadline_at: float, queue: str) -> None:
-        """Record a new queued job; it lives until its deadline plus the result TTL."""
+    def stage_create(self, pipe: Pipeline, job_id: str, request_id: str, created_at: float, deadline_at: float,
+                     queue: str) -> None:
+        """Add to `pipe` the commands that record a new queued job; it lives until its deadline
+        plus the result TTL."""
         key = keys.job_key(job_id)
-        ttl = int(deadline_at - created_at) + self.result_ttl
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={
-                "status": JobStatus.queued.value,
-                "request_id": request_id,
-                "created_at": repr(created_at),
-                "deadline_at": repr(deadline_at),
-                "queue": queue,
-            })
-            pipe.expire(key, ttl)
-            await pipe.execute()
+        pipe.hset(key, mapping={
+            "status": JobStatus.queued.value,
+            "request_id": request_id,
+            "created_at": repr(created_at),
+            "deadline_at": repr(deadline_at),
+            "queue": queue,
+        })
+        pipe.expire(key, int(deadline_at - created_at) + self.result_ttl)
 
     async def start(self, job_id: str, worker_id: str) -> bool:
         """Mark the job running on `worker_id`; False when it already ended (cancelled, expired)."""

@@ -28,6 +28,7 @@ from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_
 log = logging.getLogger("openjev.worker")
 
 ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
+EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
 
 
@@ -59,6 +60,8 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         info.running -= 1
     if outcome.status is JobStatus.succeeded:
         info.avg_job_seconds = _moving_average(info.avg_job_seconds, time.time() - picked_at)
+    else:
+        info.counters.jobs_failed += 1
     await store.finish(job.id, outcome)
 
 
@@ -79,6 +82,7 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> Job
         await asyncio.shield(ctx["store"].finish(job.id, _failure(
             JobStatus.cancelled, 499, "cancelled", "the job was cancelled", worker_id)))
         raise
+    ctx["info"].counters.record_job(result.warm_call, result.branch_calls)
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
                       worker_id=worker_id)
@@ -110,8 +114,9 @@ class QueueWorker(Worker):
         while True:
             try:
                 await self._poll_iteration()
-                if await self.pool.blpop([wake], timeout=self.poll_delay_s):
-                    await self.pool.delete(wake)  # one pass picks every queued job: drop the other tokens
+                # A token (or the timeout, which keeps heartbeats and aborts on schedule) ends the
+                # wait; leftover tokens only cause a cheap extra pass.
+                await self.pool.blpop([wake], timeout=self.poll_delay_s)
             except (RedisError, OSError) as exc:  # Redis restarting: keep the jobs in hand, retry
                 log.warning("queue unreachable (%r); retrying", exc)
                 await asyncio.sleep(0.5)
@@ -138,6 +143,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
+    info.engine_ok = await ctx["engine"].healthy()  # never announce an engine nobody has checked
     await heartbeat(redis, info)
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
@@ -181,7 +187,7 @@ async def _keep_alive(ctx: dict[str, Any]) -> None:
             log.warning("heartbeat failed: %r", exc)
         if failures >= ENGINE_FAILURES_BEFORE_EXIT:
             log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
-            ctx["exit_code"] = 3
+            ctx["exit_code"] = EXIT_ENGINE_DOWN
             ctx["worker"].handle_sig(15)
             return
 
