@@ -34,8 +34,24 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="N worker + CPU engine pairs (ids local-0..N-1): a local stand-in for N GPUs, "
                             "jobs routed by prefix hash (default 1)")
+    serve.add_argument("--shared-redis", action="store_true",
+                       help="use the Redis at OPENJEV_REDIS_URL, shared with other serve instances, "
+                            "instead of starting an embedded one")
+    serve.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_ARG",
+                       help="after --, extra arguments passed through to SGLang (with --sglang-python)")
     serve.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
+
+    smoke = sub.add_parser("smoke", help="check that a deployment really answers; writes smoke-result.json")
+    smoke.add_argument("url", help="the server root, e.g. http://127.0.0.1:8000")
+    smoke.add_argument("--key-env", metavar="VAR", help="the environment variable that holds the API key")
+    smoke.add_argument("--allow-weak-model", action="store_true",
+                       help="record the semantic checks without failing on them (the CPU engine's small model)")
+    smoke.add_argument("--out", type=Path, default=Path("smoke-result.json"),
+                       help="where to write the result (default smoke-result.json)")
+    smoke.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds to wait for /health to answer 200 (default 600)")
+    smoke.set_defaults(run=_smoke)
 
     api = sub.add_parser("api", help="run the HTTP API alone (needs Redis and live workers)")
     api.add_argument("--host", default="127.0.0.1")
@@ -88,9 +104,26 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and (args.connect or args.sglang_python):
         raise SystemExit("openjev serve: --workers N > 1 runs N CPU engines; on GPUs run one SGLang + worker pair "
                          "per GPU (compose.yaml, or `openjev worker` beside each engine)")
+    if args.sglang_args and not args.sglang_python:
+        raise SystemExit("openjev serve: arguments after -- go to SGLang, so they need --sglang-python")
+    if args.sglang_args:
+        from worker.sglang_launcher import LaunchArgumentRejected, check_extra_args
+
+        try:
+            check_extra_args(args.sglang_args)
+        except LaunchArgumentRejected as error:
+            raise SystemExit(f"openjev serve: {error}") from None
     options = ServeOptions(host=args.host, port=args.port, connect=args.connect, sglang_python=args.sglang_python,
-                           workers=args.workers, compute_delay=args.compute_delay)
+                           workers=args.workers, compute_delay=args.compute_delay, shared_redis=args.shared_redis,
+                           sglang_args=args.sglang_args)
     return Supervisor(get_settings(), options).run()
+
+
+def _smoke(args: argparse.Namespace) -> int:
+    from openjev.smoke import run_smoke
+
+    return run_smoke(args.url, key_env=args.key_env, allow_weak_model=args.allow_weak_model, out=args.out,
+                     startup_timeout=args.startup_timeout)
 
 
 def _api(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,8 @@ from openjev.embedded_redis import free_port, start_redis
 from worker.runner import EXIT_ENGINE_DOWN
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ENGINE_START_TIMEOUT = 600.0  # first start converts the GGUF; SGLang loads weights and captures graphs
+ENGINE_START_TIMEOUT = 600.0  # the CPU engine's first start converts the GGUF
+SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
 WORKER_RESTART_LIMIT = 20  # restarts within the window before serve gives up on a crash-looping worker
 
 
@@ -48,6 +50,8 @@ class ServeOptions:
     sglang_python: str | None = None
     workers: int = 1
     compute_delay: float = 0.0
+    shared_redis: bool = False  # use OPENJEV_REDIS_URL (shared by several serve instances), not an embedded one
+    sglang_args: list[str] = field(default_factory=list)  # passed through to SGLang after the launcher's flags
 
 
 class Supervisor:
@@ -68,16 +72,21 @@ class Supervisor:
             self._stop_all()
 
     def _run(self) -> int:
-        redis_process, redis_url = self._redis()
-        self.children.append(Child("redis", [], {}, process=redis_process))
-        env = self._base_env(redis_url)
+        env = self._base_env(self._redis())
+        # With SGLang the API starts first: a platform sees the port open at once and clients get 503 with
+        # Retry-After while the model loads. The CPU engine must first convert the model the API tokenizes with.
+        api_first = bool(self.options.connect or self.options.sglang_python)
+        if api_first:
+            self._spawn_api(env)
         engine_urls = self._engines(env)
         if engine_urls is None:
             return 1
+        prefix = (self.settings.worker_id or socket.gethostname()) if self.options.shared_redis else "local"
         for i, url in enumerate(engine_urls):
             self._spawn(Child(f"worker-{i}", _openjev("worker"),
-                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"local-{i}"}, restart=True))
-        self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)), env))
+                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"{prefix}-{i}"}, restart=True))
+        if not api_first:
+            self._spawn_api(env)
         if not self._wait_ready():
             return 1
         print(f"openjev is serving on http://{self._display_host()}:{self.options.port}"
@@ -85,10 +94,17 @@ class Supervisor:
               "-H 'Content-Type: application/json' --data-binary @examples/request.json)", flush=True)
         return self._watch()
 
-    def _redis(self) -> tuple[subprocess.Popen[bytes], str]:
+    def _redis(self) -> str:
+        if self.options.shared_redis:
+            _log("using the shared Redis at OPENJEV_REDIS_URL")
+            return self.settings.redis_url
         process, url = start_redis()
+        self.children.append(Child("redis", [], {}, process=process))
         _log(f"embedded Redis on {url}")
-        return process, url
+        return url
+
+    def _spawn_api(self, env: dict[str, str]) -> None:
+        self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)), env))
 
     def _base_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -96,6 +112,13 @@ class Supervisor:
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
             env.setdefault("OPENJEV_SERVED_MODEL_NAME", CPU_MODEL_NAME)
+        if self.options.sglang_python and not self.settings.sglang_version:
+            from worker.sglang_launcher import installed_sglang_version
+
+            # The workers enable the sgl-project/sglang#34719 workaround from this.
+            version = installed_sglang_version(self.options.sglang_python)
+            if version:
+                env["OPENJEV_SGLANG_VERSION"] = version
         return env
 
     def _cpu_model_dir(self) -> Path:
@@ -111,22 +134,24 @@ class Supervisor:
         for i in range(self.options.workers):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            self._spawn(Child(f"engine-{i}", self._engine_argv(port), env))
+            self._spawn(Child(f"engine-{i}", *self._engine_command(port, env)))
             urls.append(url)
+        timeout = SGLANG_START_TIMEOUT if self.options.sglang_python else ENGINE_START_TIMEOUT
         for url, child in zip(urls, self.children[-len(urls):], strict=True):
-            if not self._wait_healthy(child, url + "/health", ENGINE_START_TIMEOUT):
+            if not self._wait_healthy(child, url + "/health", timeout):
                 return None
             _log(f"{child.name} ready at {url}")
         return urls
 
-    def _engine_argv(self, port: int) -> list[str]:
+    def _engine_command(self, port: int, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         if self.options.sglang_python:
             from worker.sglang_launcher import sglang_command
 
-            argv, _ = sglang_command(self.settings, python=self.options.sglang_python, port=port)
-            return argv
+            # The launcher's environment carries the frontend switch (SGLANG_RUST_SERVER).
+            return sglang_command(self.settings, python=self.options.sglang_python, port=port,
+                                  extra_args=self.options.sglang_args, base_env=env)
         return _openjev("engine", "--port", str(port), "--cache-dir", str(self.settings.cache_dir / "models"),
-                        "--compute-delay", str(self.options.compute_delay))
+                        "--compute-delay", str(self.options.compute_delay)), env
 
     def _spawn(self, child: Child) -> None:
         _log(f"starting {child.name}")

@@ -24,6 +24,7 @@ from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
 from worker.evaluation import JobEvaluation, outcome_timings
 from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_jobs
+from worker.sglang_launcher import needs_warm_label_logprobs
 
 log = logging.getLogger("openjev.worker")
 
@@ -198,7 +199,7 @@ def build_worker(settings: Settings) -> QueueWorker:
     queue = keys.queue_name(worker_id)
     backend_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     engine = EngineClient(settings.engine_url, backend_key, max_connections=settings.max_concurrent_branches + 8,
-                          warm_token_ids_logprob=(settings.sglang_version or "").startswith("0.5.19"))
+                          warm_token_ids_logprob=needs_warm_label_logprobs(settings.sglang_version))
     ctx: dict[str, Any] = {
         "settings": settings,
         "worker_id": worker_id,
