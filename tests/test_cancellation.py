@@ -81,21 +81,30 @@ def test_a_deleted_async_job_stops_in_the_engine(slow_stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def tight_stack(redis_server: str, model_dir, log_dir) -> Iterator[Stack]:
-    """One job at a time, two branch slots, a scripted engine, short deadlines."""
+def tight_stack(model_dir, log_dir) -> Iterator[Stack]:
+    """Its own Redis (so no other worker takes its jobs): one job at a time, a scripted engine,
+    short deadlines."""
+    process, redis_url = start_redis()
     engine = start_scripted_engine(log_dir)
-    stack = build_stack(redis_server, engine, model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="5",
+    stack = build_stack(redis_url, engine, model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="5",
                         OPENJEV_MAX_CONCURRENT_REQUESTS="1", OPENJEV_MAX_CONCURRENT_BRANCHES="2",
                         OPENJEV_JOB_TIMEOUT="2", OPENJEV_WORKER_ID="tight")
     yield stack
     stack.stop()
+    process.terminate()
+    process.wait(10)
 
 
 def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack: Stack) -> None:
     tight_stack.script(delay=1.5)
-    jobs = [httpx.post(tight_stack.url + "/v1/jobs", json=body({f"q{i}": NOUL}), timeout=30).json()
-            for i in range(2)]
-    time.sleep(6)
+    first = httpx.post(tight_stack.url + "/v1/jobs", json=body({"q0": NOUL}), timeout=30).json()
+    deadline = time.monotonic() + 20
+    while first["id"] + ".warm" not in tight_stack.engine_stats()["received"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # the worker runs one job at a time and the first needs ~3 s; the second's deadline is 2 s away
+    second = httpx.post(tight_stack.url + "/v1/jobs", json=body({"q1": NOUL}), timeout=30).json()
+    jobs = [first, second]
+    time.sleep(5)
     statuses = [httpx.get(f"{tight_stack.url}/v1/jobs/{j['id']}").json() for j in jobs]
     received = tight_stack.engine_stats()["received"]
     assert statuses[1]["status"] == "expired"
