@@ -88,7 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every error the app can raise to the contract's shapes."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        request.state.error_type = exc.error_type
         return error_response(exc.status, exc.error_type, exc.message, exc.headers)
 
     @app.exception_handler(RequestValidationError)

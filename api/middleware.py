@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -23,6 +24,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 REQUEST_ID_HEADER = b"x-typesafe-request-id"
+QUIET_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # probes: no log line per call
 
 
 def error_body(error_type: str, message: str) -> bytes:
@@ -47,13 +49,15 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
-        started = False
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        started = time.perf_counter()
+        status = 0
 
         async def stamped(message: Message) -> None:
-            nonlocal started
+            nonlocal status
             if message["type"] == "http.response.start":
-                started = True
+                status = message["status"]
                 message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
             await send(message)
 
@@ -61,8 +65,15 @@ class RequestContext:
             await self.app(scope, receive, stamped)
         except Exception:
             log.exception("unhandled error", extra={"request_id": request_id})
-            if not started:
+            if not status:
                 await send_json(stamped, 500, error_body("api_error", "internal error; quote the request id"))
+        finally:
+            if scope["path"] not in QUIET_PATHS:
+                log.info("request", extra={
+                    "event": "request", "request_id": request_id, "job_id": state.get("job_id"),
+                    "method": scope["method"], "path": scope["path"], "status": status or 499,
+                    "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+                    "error_type": state.get("error_type")})
 
 
 class BodyGate:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
+from common.logs import configure_logging
 from common.settings import get_settings
 
 
@@ -16,8 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # else every engine health check is a log line
+    configure_logging(get_settings().log_level)
     return int(args.run(args) or 0)
 
 

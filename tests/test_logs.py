@@ -1,0 +1,53 @@
+"""Structured logs: one JSON event per request and per job, carrying the ids; no bodies, no keys."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from common.logs import JsonFormatter
+from tests.conftest import Stack
+from tests.test_api_contract import NOUL
+
+
+def events(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def test_a_log_record_becomes_one_json_line_with_its_event_fields() -> None:
+    record = logging.LogRecord("openjev.api", logging.INFO, __file__, 1, "request", None, None)
+    record.event, record.request_id, record.status = "request", "req_abc", 200
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    data = json.loads(line)
+    assert data["event"] == "request" and data["request_id"] == "req_abc" and data["status"] == 200
+    assert data["level"] == "info" and data["ts"].endswith("Z")
+
+
+def test_each_request_and_job_logs_one_event_with_ids_and_no_body_or_key(scripted_stack: Stack) -> None:
+    secret_state = "state-text-that-must-never-be-logged-7f3a"
+    r = scripted_stack.post({"model": "jev-latest", "state": secret_state, "questions": {"q": NOUL}},
+                            headers={"Authorization": "Bearer key-that-must-never-be-logged"})
+    assert r.status_code == 200
+    request_id = r.headers["x-typesafe-request-id"]
+    time.sleep(0.5)
+    api_log = scripted_stack.api.output()
+    worker_log = scripted_stack.workers[0].output()
+    request_events = [e for e in events(api_log) if e.get("request_id") == request_id and e.get("event") == "request"]
+    assert len(request_events) == 1
+    event = request_events[0]
+    assert event["status"] == 200 and event["path"] == "/v1/systemone" and event["job_id"].startswith("job_")
+    job_events = [e for e in events(worker_log) if e.get("job_id") == event["job_id"] and e.get("event") == "job"]
+    assert len(job_events) == 1 and job_events[0]["status"] == "succeeded"
+    assert job_events[0]["request_id"] == request_id
+    for text in (api_log, worker_log):
+        assert secret_state not in text
+        assert "key-that-must-never-be-logged" not in text
