@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.jobs import router as jobs_router
+from api.metrics import ApiMetrics
 from api.middleware import BodyGate, RequestContext
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
@@ -62,7 +63,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
             settings=settings,
             preparer=preparer or build_preparer(settings),
             redis=redis,
-            queue=JobQueue(redis, store, waiter),
+            queue=JobQueue(redis, store, waiter, settings.route_load_factor, settings.routing),
             waiter=waiter,
             started_at=time.time(),
         )
@@ -74,6 +75,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
 
     app = FastAPI(title="openjev", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
+    app.state.metrics = ApiMetrics()
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(jobs_router)

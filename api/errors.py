@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -96,6 +97,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+    @app.exception_handler(RedisError)
+    async def _queue_down(request: Request, exc: RedisError) -> JSONResponse:
+        # Any route that reaches Redis while it restarts: a fast 503, never a 500.
+        request.state.error_type = QueueUnavailable.error_type
+        return error_response(503, QueueUnavailable.error_type, "the job queue is unreachable; retry shortly",
+                              {"Retry-After": "2"})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -55,6 +55,7 @@ async def submit_job(request: Request, response: Response,
     services.preparer.check_request(body)
     job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
                                   services.settings.job_timeout)
+    request.state.job_id = job.id
     if idempotency_key is not None:
         existing = await _claim_idempotency(request, idempotency_key, job.id, body)
         if existing is not None:

@@ -68,11 +68,16 @@ class RequestContext:
             if not status:
                 await send_json(stamped, 500, error_body("api_error", "internal error; quote the request id"))
         finally:
+            seconds = time.perf_counter() - started
+            route = getattr(scope.get("route"), "path", "unmatched")
+            metrics = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
+            if metrics is not None:
+                metrics.observe_request(route, status or 499, seconds)
             if scope["path"] not in QUIET_PATHS:
                 log.info("request", extra={
                     "event": "request", "request_id": request_id, "job_id": state.get("job_id"),
                     "method": scope["method"], "path": scope["path"], "status": status or 499,
-                    "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+                    "duration_ms": round(seconds * 1000, 2),
                     "error_type": state.get("error_type")})
 
 

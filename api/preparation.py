@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 
-from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
-
 from api.errors import UnknownModel, invalid
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
 from common.jobs import Branch, EvaluationJob, new_job_id
+from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
 
@@ -53,7 +52,7 @@ class JobPreparer:
             request_id=request_id,
             model=self.settings.served_model_name,
             prefix_ids=compiled.prefix_ids,
-            prefix_hash=prefix_key(compiled.prefix_ids),
+            prefix_hash=prefix_key(compiled.prefix_ids, self.settings.route_prefix_tokens),
             branches=[Branch(question_id=b.question_id, kind=b.kind, suffix_ids=b.suffix_ids, label_ids=b.label_ids,
                              option_names=b.option_names, legend=levels.get(b.question_id))
                       for b in compiled.branches],

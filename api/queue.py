@@ -96,7 +96,7 @@ class JobQueue:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
     async def queue_lengths(self, workers: list[WorkerInfo]) -> dict[str, int]:
-        """Jobs waiting in each worker's queue (by worker id)."""
+        """Jobs in each worker's queue, running or waiting for a slot (by worker id)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for w in workers:
                 pipe.zcard(w.queue)
@@ -111,7 +111,7 @@ class JobQueue:
                            {"Retry-After": "5"})
         try:
             lengths = await self.queue_lengths(workers)
-            queue = self._admit(job, workers, lengths, await self._route(job, lengths))
+            queue = self._admit(job, workers, lengths, await self._route(job, workers, lengths))
             await self._enqueue(job, queue)
         except (RedisError, OSError) as exc:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
@@ -131,11 +131,14 @@ class JobQueue:
             pipe.lpush(keys.wake_key(queue), b"1")
             await pipe.execute()
 
-    async def _route(self, job: EvaluationJob, lengths: dict[str, int]) -> str:
-        """The worker the routing policy picks, from Redis state alone (the same in every API replica)."""
+    async def _route(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int]) -> str:
+        """The worker the routing policy picks, from Redis state alone (the same in every API replica).
+        The load bound applies to jobs waiting for a slot: a worker that can start the job at once is
+        never passed over, so a lightly loaded fleet keeps every prefix on its first choice."""
         if self.routing is RoutingPolicy.round_robin:
             return round_robin(await self.redis.incr(keys.ROUND_ROBIN_TURN), list(lengths))
-        return route_job(job.prefix_hash, lengths, self.load_factor)
+        waiting = {w.id: max(0, lengths[w.id] - w.max_jobs) for w in workers}
+        return route_job(job.prefix_hash, waiting, self.load_factor)
 
     def _admit(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int], chosen: str) -> str:
         """The queue for `job`: the `chosen` worker, or the next in its ranking that can finish it

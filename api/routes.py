@@ -9,11 +9,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import require_key
-from api.errors import DeadlineExceeded, JobFailed
+from api.errors import ApiError, DeadlineExceeded, JobFailed
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobStatus
 
@@ -41,6 +43,7 @@ async def systemone(request: Request,
     job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
                                   services.settings.request_timeout)
     prepare_seconds = time.perf_counter() - started
+    request.state.job_id = job.id
     await services.queue.submit(job)
     record = await _wait_unless_disconnected(request, job.id, job.remaining())
     if record is None:
@@ -48,6 +51,7 @@ async def systemone(request: Request,
                                     "the request did not finish before its deadline", 504)
         raise DeadlineExceeded(f"no answer within {services.settings.request_timeout:g} s; the work was aborted")
     outcome: JobOutcome = record.outcome
+    request.app.state.metrics.observe_outcome(outcome, prepare_seconds)
     if outcome.status is not JobStatus.succeeded or outcome.result is None:
         error = outcome.error or {"error_type": "api_error", "message": "the job ended without a result"}
         raise JobFailed(outcome.http_status or 500, error["error_type"], error["message"])
@@ -127,7 +131,9 @@ async def _queue_state(request: Request) -> dict[str, Any]:
         "live_workers": len(workers),
         "queue_depth": sum(lengths.values()),
         "workers": [{"id": w.id, "queue_depth": lengths[w.id], "engine_ok": w.engine_ok, "model": w.model,
-                     "heartbeat_age_s": round(time.time() - w.heartbeat_at, 3)} for w in workers],
+                     "heartbeat_age_s": round(time.time() - w.heartbeat_at, 3), "counters": w.counters.model_dump(),
+                     "branch_hit_ratio": w.counters.branch_hit_ratio, "warm_hit_ratio": w.counters.warm_hit_ratio}
+                    for w in workers],
     }
 
 
@@ -139,6 +145,18 @@ async def health(request: Request) -> JSONResponse:
     body = {"status": "ok" if ready else "unavailable", "model": services.settings.served_model_name,
             "started_at": services.started_at, "uptime_s": round(time.time() - services.started_at, 3), **state}
     return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
+
+
+@router.get("/metrics", tags=["Operations"], summary="Prometheus metrics (behind the API key when one is set)",
+            response_class=Response, dependencies=[Depends(require_key)])
+async def metrics(request: Request) -> Response:
+    services = request.app.state.services
+    try:
+        workers = await services.queue.workers()
+        lengths = await services.queue.queue_lengths(workers)
+    except (ApiError, RedisError, OSError):
+        workers, lengths = None, {}
+    return Response(request.app.state.metrics.render(workers, lengths), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health/live", tags=["Operations"], summary="Liveness: the process answers")

@@ -24,6 +24,15 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at'
 return 1
 """
 
+# KEYS[1] job hash; ARGV: queue. A job moved off a vanished worker's queue is queued again, unless it
+# already ended (its worker finished it just before vanishing): a finished job is never revived.
+_REQUEUE = """
+local s = redis.call('HGET', KEYS[1], 'status')
+if s ~= 'queued' and s ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', ARGV[1])
+return 1
+"""
+
 # KEYS[1] job hash, KEYS[2] done channel; ARGV: status, outcome JSON, ttl, job id, terminal statuses...
 _FINISH = """
 local s = redis.call('HGET', KEYS[1], 'status')
@@ -58,6 +67,7 @@ class JobStore:
         self.result_ttl = result_ttl
         self._start = redis.register_script(_START)
         self._finish = redis.register_script(_FINISH)
+        self._requeue = redis.register_script(_REQUEUE)
 
     def stage_create(self, pipe: Pipeline, job_id: str, request_id: str, created_at: float, deadline_at: float,
                      queue: str) -> None:
@@ -85,9 +95,10 @@ class JobStore:
         )
         return bool(won)
 
-    async def requeue(self, job_id: str, queue: str) -> None:
-        """Note that the job moved to another worker's queue (after its worker disappeared)."""
-        await self.redis.hset(keys.job_key(job_id), mapping={"status": JobStatus.queued.value, "queue": queue})
+    async def requeue(self, job_id: str, queue: str) -> bool:
+        """Note that the job moved to another worker's queue (after its worker disappeared); False,
+        and nothing written, when the job already ended."""
+        return bool(await self._requeue(keys=[keys.job_key(job_id)], args=[queue]))
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None if unknown or expired."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 PREFIX = "openjev:"
 
-WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (ms)
+WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (epoch seconds)
 JOB_FUNCTION = "evaluate"  # the arq function name a worker registers for evaluation jobs
 DONE_CHANNEL = PREFIX + "done"  # pub/sub: a job id, published when its outcome is stored
+ROUND_ROBIN_TURN = PREFIX + "route:turn"  # counter: the next turn under OPENJEV_ROUTING=round_robin
 
 
 def queue_name(worker_id: str) -> str:

@@ -4,15 +4,67 @@ workers whose heartbeat is fresh."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from common import keys
 
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats
 LIVENESS_WINDOW = 5.0  # a worker silent this long leaves the routing set
+
+
+class CallTokens(Protocol):
+    """One engine call's token figures (the worker's `GenerateResult`)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int | None: ...
+
+
+class WorkerCounters(BaseModel):
+    """Running totals since the worker started, published with every heartbeat: the per-worker
+    prefix-cache hit ratio is `branch_cached_tokens / branch_prompt_tokens`."""
+
+    jobs_done: int = 0  # jobs answered
+    jobs_failed: int = 0  # jobs it ran that ended in an engine error, an abort or a timeout
+    warm_calls: int = 0  # warm calls of answered jobs
+    warm_prompt_tokens: int = 0  # their prompt tokens
+    warm_cached_tokens: int = 0  # of those, the tokens the engine found in its prefix cache
+    branch_calls: int = 0  # branch calls of answered jobs
+    branch_prompt_tokens: int = 0
+    branch_cached_tokens: int = 0
+    unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang's Rust frontend)
+
+    def record_job(self, warm: CallTokens, branches: Sequence[CallTokens]) -> None:
+        """Add an answered job's warm call and branch calls."""
+        self.jobs_done += 1
+        self.warm_calls += 1
+        self.warm_prompt_tokens += warm.prompt_tokens
+        self.warm_cached_tokens += warm.cached_tokens or 0
+        self.branch_calls += len(branches)
+        self.branch_prompt_tokens += sum(b.prompt_tokens for b in branches)
+        self.branch_cached_tokens += sum(b.cached_tokens or 0 for b in branches)
+        self.unreported_calls += sum(c.cached_tokens is None for c in (warm, *branches))
+
+    @property
+    def branch_hit_ratio(self) -> float | None:
+        """Cached / prompt tokens over branch calls; None before any, or when the engine does not report hits."""
+        return _ratio(self.branch_cached_tokens, self.branch_prompt_tokens, self.unreported_calls)
+
+    @property
+    def warm_hit_ratio(self) -> float | None:
+        """Cached / prompt tokens over warm calls: how often a state's prefix was already on this worker."""
+        return _ratio(self.warm_cached_tokens, self.warm_prompt_tokens, self.unreported_calls)
+
+
+def _ratio(cached: int, prompt: int, unreported: int) -> float | None:
+    return None if unreported or not prompt else cached / prompt
 
 
 class WorkerInfo(BaseModel):
@@ -28,7 +80,7 @@ class WorkerInfo(BaseModel):
     avg_job_seconds: float = 0.0  # moving average of recent jobs' evaluation time (0 = no data yet)
     started_at: float
     heartbeat_at: float = 0.0
-
+    counters: WorkerCounters = Field(default_factory=WorkerCounters)
 
     def expected_finish(self, queued: int) -> float:
         """Seconds a new job would take here: the queue ahead drains `max_jobs` at a time, then it runs."""

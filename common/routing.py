@@ -1,5 +1,7 @@
 """Prefix-hash routing: rendezvous (highest-random-weight) hashing of a prefix key over the live
-workers, so the same prefix keeps landing on the GPU that has it cached."""
+workers, so the same prefix keeps landing on the GPU that has it cached, with a bound on how far
+one worker's queue may run ahead of the others. Pure functions of Redis state: every API replica
+that reads the same queue lengths makes the same choice."""
 
 from __future__ import annotations
 
@@ -28,20 +30,27 @@ def rank_workers(key: str, worker_ids: Sequence[str]) -> list[str]:
 
 
 def load_bound(queue_lengths: dict[str, int], load_factor: float) -> int:
-    """The most jobs one worker may hold after taking a new one: ⌈c × (total + 1) / n⌉
-    (consistent hashing with bounded loads, Mirrokni et al.); never below 1."""
-    total = sum(queue_lengths.values())
-    return max(1, math.ceil(load_factor * (total + 1) / len(queue_lengths)))
+    """The most jobs one worker may hold once a new job is placed: c × the average queue length
+    counting the new job, rounded up to whole jobs, ⌈c·(total + 1)/n⌉ (consistent hashing with
+    bounded loads, Mirrokni et al. 2018)."""
+    return math.ceil(load_factor * (sum(queue_lengths.values()) + 1) / len(queue_lengths))
 
 
 def route_job(key: str, queue_lengths: dict[str, int], load_factor: float = 1.25) -> str:
-    """The worker for `key`: its rendezvous first choice, unless taking the job would put that
-    worker over `load_bound`, in which case the next worker in the ranking that stays within it."""
+    """The worker for `key`: the first in its ranking whose queue, with this job added, stays
+    within `load_bound`; a worker that would go over it is passed over for the next.
+
+    `queue_lengths`: queue length per live worker id (the API counts jobs waiting for a slot);
+    `load_factor`: c ≥ 1. Some worker always qualifies (the shortest queue is at most the average),
+    so the walk ends within the ranking."""
     if not queue_lengths:
         raise LookupError("no live worker")
-    ranking = rank_workers(key, list(queue_lengths))
+    if load_factor < 1:
+        raise ValueError(f"load_factor must be at least 1, not {load_factor}")
     bound = load_bound(queue_lengths, load_factor)
-    for worker in ranking:
-        if queue_lengths[worker] + 1 <= bound:
-            return worker
-    return ranking[0]
+    return next(w for w in rank_workers(key, list(queue_lengths)) if queue_lengths[w] + 1 <= bound)
+
+
+def round_robin(turn: int, worker_ids: Sequence[str]) -> str:
+    """The worker whose turn it is (`turn` from a shared counter): ignores prefixes (benchmarks only)."""
+    return sorted(worker_ids)[turn % len(worker_ids)]

@@ -15,6 +15,11 @@ class Frontend(StrEnum):
     python = "python"  # the explicit fallback
 
 
+class RoutingPolicy(StrEnum):
+    hash = "hash"  # rendezvous hashing of the prefix key with a bounded-load fallback (production)
+    round_robin = "round_robin"  # each live worker in turn, prefixes ignored (a benchmark baseline)
+
+
 class ConfidenceMode(StrEnum):
     typesafe = "typesafe"  # the official formulas of the contract
     entropy = "entropy"  # clamp(1 - H(p) / ln n, 0, 1)
@@ -57,7 +62,18 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     backend_api_key: SecretStr | None = None
 
+    # Routing jobs to workers (common/routing.py).
+    route_prefix_tokens: int | None = Field(
+        default=None, ge=1, description="Hash only the first K prefix tokens, so states that share a long system "
+        "prompt land together; None hashes the whole prefix. K must exceed the template's fixed opening.")
+    route_load_factor: float = Field(
+        default=1.25, ge=1.0,
+        description="c: a worker whose jobs waiting for a slot, with the new job, would exceed ⌈c × the average⌉ "
+        "is passed over for the next in the prefix's ranking.")
+    routing: RoutingPolicy = Field(default=RoutingPolicy.hash, description="round_robin: a baseline for benchmarks.")
+
     # Plumbing.
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.prompt import PromptCompiler
 from openjev.embedded_redis import start_redis
 from tests.processes import Proc, start_api, start_cpu_engine, start_scripted_engine, start_worker
 
@@ -67,6 +68,14 @@ def model_dir() -> Path:
     from worker.cpu_engine.model import ensure_converted
 
     return ensure_converted(model_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_compiler(model_dir: Path) -> PromptCompiler:
+    """The prompt compiler the API builds for the CPU engine's model (its tokenizer loads in ~30 s)."""
+    from common.tokenizer import load_tokenizer
+
+    return PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
 
 
 @pytest.fixture(scope="module")

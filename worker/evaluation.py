@@ -20,9 +20,15 @@ class Evaluation:
 
     body: dict
     prefix_tokens: int
-    cached_tokens: int | None
+    warm_call: GenerateResult
+    branch_calls: list[GenerateResult]
     prefill_seconds: float
     branches_seconds: float
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the branch calls found in the engine's prefix cache; None when it does not say."""
+        return _sum_or_none([r.cached_tokens for r in self.branch_calls])
 
 
 class JobEvaluation:
@@ -54,7 +60,8 @@ class JobEvaluation:
         return Evaluation(
             body=self._response_body(warm, results),
             prefix_tokens=len(self.job.prefix_ids),
-            cached_tokens=_sum_or_none([r.cached_tokens for r in results]),
+            warm_call=warm,
+            branch_calls=results,
             prefill_seconds=warmed - started,
             branches_seconds=done - warmed,
         )

@@ -64,6 +64,19 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
     else:
         info.counters.jobs_failed += 1
     await store.finish(job.id, outcome)
+    _log_job(job, outcome)
+
+
+def _log_job(job: EvaluationJob, outcome: JobOutcome) -> None:
+    """One event per job: ids, outcome and stage figures; never the prompt or the answers."""
+    t = outcome.timings
+    level = logging.INFO if outcome.status is JobStatus.succeeded else logging.WARNING
+    log.log(level, "job %s", outcome.status.value, extra={
+        "event": "job", "job_id": job.id, "request_id": job.request_id, "worker_id": outcome.worker_id,
+        "status": outcome.status.value, "questions": len(job.branches), "prefix_tokens": len(job.prefix_ids),
+        "cached_tokens": outcome.cached_tokens, "queue_ms": round(t.queue * 1000, 2),
+        "prefill_ms": round(t.prefill * 1000, 2), "branches_ms": round(t.branches * 1000, 2),
+        "error_type": (outcome.error or {}).get("error_type")})
 
 
 async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:

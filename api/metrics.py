@@ -1,0 +1,80 @@
+"""Prometheus metrics for `GET /metrics`: what this API process saw (requests, latency and its
+stages, outcomes), and, read from Redis at scrape time, the queue and every live worker's figures."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from common.jobs import JobOutcome
+from common.membership import WorkerInfo
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+WORKER_FIGURES = {  # WorkerCounters field -> help text
+    "jobs_done": "Jobs answered by the worker",
+    "jobs_failed": "Jobs the worker ran that ended in an engine error, abort or timeout",
+    "warm_prompt_tokens": "Prompt tokens of warm calls",
+    "warm_cached_tokens": "Warm-call prompt tokens found in the engine's prefix cache",
+    "branch_prompt_tokens": "Prompt tokens of branch calls",
+    "branch_cached_tokens": "Branch-call prompt tokens found in the engine's prefix cache",
+    "engine_errors": "Engine calls that failed",
+    "aborts_sent": "Abort requests sent to the engine for cancelled branch calls",
+}
+
+
+class ApiMetrics:
+    """One registry per app; recorded where the events happen, rendered on scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("openjev_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.latency = Histogram("openjev_request_seconds", "HTTP request latency, end to end", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.stages = Histogram("openjev_stage_seconds", "Evaluation latency by stage", ["stage"],
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.outcomes = Counter("openjev_jobs", "Jobs this API saw end, by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("openjev_prompt_tokens", "Prompt tokens of answered requests", registry=r)
+        self.cached_tokens = Counter("openjev_cached_tokens", "Branch tokens served from the prefix cache",
+                                     registry=r)
+        self.queue_depth = Gauge("openjev_queue_depth", "Jobs waiting or running per worker queue", ["worker"],
+                                 registry=r)
+        self.live_workers = Gauge("openjev_live_workers", "Workers with a fresh heartbeat and a healthy engine",
+                                  registry=r)
+        self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
+        self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
+                                    registry=r)
+        self.worker_figures = {
+            name: Gauge(f"openjev_worker_{name}", text + " (since the worker started)", ["worker"], registry=r)
+            for name, text in WORKER_FIGURES.items()}
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def observe_outcome(self, outcome: JobOutcome, prepare_seconds: float) -> None:
+        """An evaluation's outcome and, when it succeeded, its stage timings and tokens."""
+        self.outcomes.labels(outcome.status.value).inc()
+        if outcome.result is None:
+            return
+        t = outcome.timings
+        for stage, seconds in (("queue", t.queue), ("prepare", prepare_seconds), ("prefill", t.prefill),
+                               ("branches", t.branches)):
+            self.stages.labels(stage).observe(seconds)
+        self.prompt_tokens.inc(outcome.result["usage"]["input_tokens"])
+        if outcome.cached_tokens is not None:
+            self.cached_tokens.inc(outcome.cached_tokens)
+
+    def render(self, workers: list[WorkerInfo] | None, lengths: dict[str, int]) -> bytes:
+        """The exposition text; `workers` None means Redis could not be read for this scrape."""
+        self.redis_up.set(0 if workers is None else 1)
+        for gauge in (self.queue_depth, self.worker_running, *self.worker_figures.values()):
+            gauge.clear()  # workers that left must not linger as stale series
+        for worker in workers or []:
+            self.queue_depth.labels(worker.id).set(lengths.get(worker.id, 0))
+            self.worker_running.labels(worker.id).set(worker.running)
+            counters = worker.counters.model_dump()
+            for name, gauge in self.worker_figures.items():
+                gauge.labels(worker.id).set(counters.get(name, 0))
+        self.live_workers.set(len(workers or []))
+        return generate_latest(self.registry)

@@ -1,0 +1,319 @@
+"""A bounded chaos run: a steady load of mixed sync (/v1/systemone) and async (/v1/jobs, then GET
+?wait=) requests on Redis + 2 reference CPU engines + 2 workers + the API, all on loopback, while
+one worker is SIGKILLed midway and restarted with the same worker id.
+
+    uv run --extra cpu --extra dev python -m bench.chaos [--requests N --duration S --seed K] [--engine scripted]
+
+Prints requests sent, answered (200), 504, 529/503, other errors and lost: sent with no final
+answer (a sync request without any HTTP response, an async job not terminal by its deadline plus
+a margin). Lost must be 0; the exit status is 1 otherwise. Figures: bench/RESULTS-chaos.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+from redis.asyncio import Redis
+
+from common import keys
+from openjev.embedded_redis import free_port, start_redis
+from tests.conftest import model_cache_dir, stack_env
+from tests.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http
+
+REQUEST_TIMEOUT = 20.0  # the sync deadline: long enough to outlast a worker restart (lease ≤ 5 s)
+JOB_TIMEOUT = 30.0
+LOST_MARGIN = 15.0  # seconds past a deadline after which a request with no final answer is lost
+START_TIMEOUT = 600.0
+SCRIPTED_DELAY = 0.05  # seconds the scripted engine stalls each prompt
+ENGINES = {"cpu": "2 reference CPU engines (SmolLM2-135M-Instruct, no compute delay)",
+           "scripted": f"2 scripted engines ({SCRIPTED_DELAY * 1000:g} ms per prompt)"}
+
+STATES = [
+    "Hi, I was charged twice for my March invoice. Please refund one of the charges.",
+    "The dashboard has been down since this morning and none of my reports load.",
+    "Could you tell me whether the enterprise plan includes single sign-on?",
+    "I love the new release, the export button saved me an hour today. Thanks!",
+    "My password reset email never arrives; I checked the spam folder twice.",
+    "We are a team of 40 and would like a quote for annual billing.",
+    "Your app deleted my notes after the update. I want my money back now.",
+    "Is there a way to change the language of the interface to French?",
+]
+QUESTIONS = [
+    {"refund": {"type": "noul", "instructions": "Is the customer asking for money back?"}},
+    {"team": {"type": "choice", "instructions": "Which team should handle this?",
+              "criteria": {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages",
+                           "Sales": "Pricing, plans"}}},
+    {"anger": {"type": "score", "instructions": "How frustrated is the customer?",
+               "criteria": ["Calm", "Frustrated", "Very angry"]},
+     "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"}},
+]
+
+
+@dataclass
+class Tally:
+    """Final answers by kind; `detail` says which status or error each non-200 was."""
+
+    sent: int = 0
+    answered: int = 0
+    deadline: int = 0  # 504, or an async job that ended `expired`
+    shed: int = 0  # 529 or 503 with Retry-After
+    other: int = 0
+    lost: int = 0
+    latencies: list[float] = field(default_factory=list)
+    detail: Counter[str] = field(default_factory=Counter)
+
+    def count(self, kind: str, started: float, what: str) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if kind == "answered":
+            self.latencies.append(time.monotonic() - started)
+        else:
+            self.detail[what] += 1
+
+
+async def sync_request(client: httpx.AsyncClient, payload: dict, tally: Tally) -> None:
+    started = time.monotonic()
+    try:
+        response = await client.post("/v1/systemone", json=payload, timeout=REQUEST_TIMEOUT + LOST_MARGIN)
+    except httpx.HTTPError as exc:
+        tally.count("lost", started, f"sync: no response ({type(exc).__name__})")
+        return
+    tally.count(_kind(response.status_code), started, f"sync {response.status_code}")
+
+
+async def async_request(client: httpx.AsyncClient, payload: dict, tally: Tally) -> None:
+    started = time.monotonic()
+    give_up = started + JOB_TIMEOUT + LOST_MARGIN
+    try:
+        submitted = await client.post("/v1/jobs", json=payload, timeout=LOST_MARGIN)
+    except httpx.HTTPError as exc:
+        tally.count("lost", started, f"async submit: no response ({type(exc).__name__})")
+        return
+    if submitted.status_code != 202:
+        tally.count(_kind(submitted.status_code), started, f"async submit {submitted.status_code}")
+        return
+    job_id = submitted.json()["id"]
+    while time.monotonic() < give_up:
+        try:
+            view = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 10}, timeout=20)).json()
+        except httpx.HTTPError:
+            await asyncio.sleep(0.5)  # a failed poll is not a lost job: poll again until the margin
+            continue
+        status = view["status"]
+        if status == "succeeded":
+            tally.count("answered", started, status)
+            return
+        if status == "expired":
+            tally.count("deadline", started, "async expired")
+            return
+        if status in ("failed", "cancelled"):
+            error = view.get("error") or {}
+            tally.count("other", started, f"async {status}: {error.get('error_type')}")
+            return
+    tally.count("lost", started, "async: not terminal by its deadline + margin")
+
+
+def _kind(status: int) -> str:
+    if status == 200:
+        return "answered"
+    if status == 504:
+        return "deadline"
+    if status in (503, 529):
+        return "shed"
+    return "other"
+
+
+@dataclass
+class Cluster:
+    """The processes of the run; the env is what each worker gets."""
+
+    redis_url: str
+    engines: list[Proc]
+    workers: dict[str, Proc]
+    api: Proc
+    env: dict[str, str]
+    log_dir: Path
+
+    retired: list[Proc] = field(default_factory=list)
+
+    def restart(self, worker_id: str, engine_url: str) -> None:
+        self.retired.append(self.workers[worker_id])
+        self.workers[worker_id] = start_worker(self.log_dir, self.env, engine_url, worker_id)
+
+    def recovery_log(self) -> list[str]:
+        """What the workers logged about interrupted jobs: resumed under the same id, or moved."""
+        lines = [line for proc in [*self.retired, *self.workers.values()] for line in proc.output().splitlines()]
+        return [line.split(": ", 1)[-1] for line in lines if "resuming" in line or "moved" in line]
+
+    async def wait_live(self, client: httpx.AsyncClient, worker_id: str) -> None:
+        while True:
+            try:
+                workers = (await client.get("/health", timeout=5)).json()["workers"]
+                if worker_id in {w["id"] for w in workers}:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in [self.api, *self.workers.values(), *self.engines]:
+            proc.stop()
+
+
+async def _wait_started_after(redis_url: str, worker_id: str, after: float) -> None:
+    """Until a heartbeat of `worker_id` comes from a process started after `after` (epoch seconds)."""
+    redis = Redis.from_url(redis_url)
+    try:
+        while True:
+            raw = await redis.get(keys.worker_key(worker_id))
+            if raw and orjson.loads(raw)["started_at"] > after:
+                return
+            await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
+
+
+async def _busy(redis_url: str, worker_id: str, patience: float = 10.0) -> tuple[int, int]:
+    """Once the worker holds a job (or `patience` runs out): the jobs it reported running in its
+    last heartbeat, and the jobs in its queue, running ones included."""
+    redis = Redis.from_url(redis_url)
+    give_up = time.monotonic() + patience
+    try:
+        while not (queued := int(await redis.zcard(keys.queue_name(worker_id)))) and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
+        raw = await redis.get(keys.worker_key(worker_id))
+        return (orjson.loads(raw)["running"] if raw else 0), queued
+    finally:
+        await redis.aclose()
+
+
+def start_engine(kind: str, index: int, log_dir: Path) -> Proc:
+    """A CPU engine (the real model, no compute delay) or a scripted one stalling each prompt."""
+    if kind == "scripted":
+        engine = start_scripted_engine(log_dir)
+        httpx.post(f"{engine.url}/script", json={"delay": SCRIPTED_DELAY}, timeout=5).raise_for_status()
+        return engine
+    port = free_port()
+    engine = spawn(f"chaos-engine-{index}", openjev("engine", "--port", str(port), "--cache-dir",
+                                                     str(model_cache_dir())), {}, log_dir)
+    engine.url = f"http://127.0.0.1:{port}"
+    return engine
+
+
+def start_cluster(engine_kind: str, log_dir: Path) -> tuple[Cluster, subprocess.Popen[bytes]]:
+    from worker.cpu_engine.model import ensure_converted
+
+    model_dir = ensure_converted(model_cache_dir())
+    redis_process, redis_url = start_redis()
+    env = stack_env(redis_url, model_dir, OPENJEV_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
+                    OPENJEV_JOB_TIMEOUT=str(JOB_TIMEOUT))
+    engines = [start_engine(engine_kind, i, log_dir) for i in range(2)]
+    api_port = free_port()
+    api = spawn("chaos-api", openjev("api", "--port", str(api_port)), env, log_dir)
+    api.url = f"http://127.0.0.1:{api_port}"
+    for engine in engines:
+        wait_http(engine, f"{engine.url}/health", START_TIMEOUT)
+    workers = {f"chaos-{i}": start_worker(log_dir, env, engine.url or "", f"chaos-{i}")
+               for i, engine in enumerate(engines)}
+    wait_http(api, f"{api.url}/health", START_TIMEOUT)
+    return Cluster(redis_url, engines, workers, api, env, log_dir), redis_process
+
+
+async def run(cluster: Cluster, requests: int, duration: float, seed: int, kill_at: float) -> tuple[Tally, list[str]]:
+    rng = random.Random(seed)
+    tally = Tally()
+    events: list[str] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=cluster.api.url or "", limits=limits) as client:
+        for worker_id in cluster.workers:
+            await cluster.wait_live(client, worker_id)
+        for state in STATES[:2]:  # teach the workers their job time before the clock starts
+            await client.post("/v1/systemone", json={"model": "jev-latest", "state": state, "questions": QUESTIONS[0]},
+                              timeout=REQUEST_TIMEOUT)
+        victim = rng.choice(sorted(cluster.workers))
+        plan = [(rng.choice([sync_request, async_request]),
+                 {"model": "jev-latest", "state": rng.choice(STATES), "questions": rng.choice(QUESTIONS)})
+                for _ in range(requests)]
+        victim_engine = cluster.engines[sorted(cluster.workers).index(victim)].url or ""
+        began = time.monotonic()
+
+        async def chaos() -> None:
+            await asyncio.sleep(kill_at * duration)
+            running, queued = await _busy(cluster.redis_url, victim)
+            cluster.workers[victim].kill()
+            killed_at = time.time()
+            events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL {victim} with {running} job(s) running and "
+                          f"{queued} in its queue (running included); restarted at once with the same id")
+            cluster.restart(victim, victim_engine)
+            await _wait_started_after(cluster.redis_url, victim, killed_at)
+            events.append(f"{time.monotonic() - began:5.1f} s  {victim}'s new process heartbeats (it took the lease "
+                          "once the dead one's lapsed)")
+
+        async def one(i: int, send, payload: dict) -> None:
+            await asyncio.sleep(max(0.0, began + i * duration / requests - time.monotonic()))
+            tally.sent += 1
+            await send(client, payload, tally)
+
+        chaos_task = asyncio.create_task(chaos())
+        await asyncio.gather(*(one(i, send, payload) for i, (send, payload) in enumerate(plan)))
+        await chaos_task
+        events.append(f"{time.monotonic() - began:5.1f} s  every request has a final answer or is counted lost")
+    return tally, events + [f"worker log: {line}" for line in cluster.recovery_log()]
+
+
+def report(tally: Tally, events: list[str], args: argparse.Namespace) -> str:
+    latencies = sorted(tally.latencies)
+
+    def pct(q: float) -> str:
+        return f"{latencies[min(len(latencies) - 1, round(q * (len(latencies) - 1)))]:.2f}" if latencies else "-"
+
+    lines = [
+        f"{args.requests} requests over {args.duration:g} s (seed {args.seed}), half sync, half async; "
+        f"{ENGINES[args.engine]}, 2 workers, 1 API; "
+        f"sync deadline {REQUEST_TIMEOUT:g} s, async {JOB_TIMEOUT:g} s",
+        "",
+        "| sent | answered (200) | 504 | 529/503 | other errors | lost |",
+        "|---|---|---|---|---|---|",
+        f"| {tally.sent} | {tally.answered} | {tally.deadline} | {tally.shed} | {tally.other} | {tally.lost} |",
+        "",
+        f"answered latency: p50 {pct(0.5)} s, p99 {pct(0.99)} s, max {pct(1.0)} s",
+        *(f"not answered: {what}: {n}" for what, n in sorted(tally.detail.items())),
+        "",
+        *events,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=60, help="requests sent in all (default 60)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds the load lasts (default 60)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="picks each request's kind, state and questions, and the victim")
+    parser.add_argument("--kill-at", type=float, default=0.35, help="fraction of the duration at which to kill")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="cpu", help="default: cpu")
+    args = parser.parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="openjev-chaos-"))
+    print(f"starting Redis, {ENGINES[args.engine]}, 2 workers and the API (logs in {log_dir})", flush=True)
+    cluster, redis_process = start_cluster(args.engine, log_dir)
+    try:
+        tally, events = asyncio.run(run(cluster, args.requests, args.duration, args.seed, args.kill_at))
+    finally:
+        cluster.stop()
+        redis_process.terminate()
+    print(report(tally, events, args))
+    return 0 if tally.lost == 0 and tally.sent == args.requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

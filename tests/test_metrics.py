@@ -1,0 +1,51 @@
+"""`GET /metrics`: Prometheus text with the request, stage, queue and worker figures, behind the key."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Stack
+from tests.processes import start_api
+from tests.test_api_contract import NOUL, SCORE, body
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: Stack) -> None:
+    for _ in range(2):
+        assert scripted_stack.post(body({"a": NOUL, "b": SCORE})).status_code == 200
+    assert scripted_stack.post({**body(), "model": "nope"}).status_code == 400
+    time.sleep(1.5)  # a heartbeat carries the worker's counters
+    r = httpx.get(scripted_stack.url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = samples(r.text)
+    assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "200")))] >= 2
+    assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "400")))] >= 1
+    for stage in ("queue", "prepare", "prefill", "branches"):
+        assert m[("openjev_stage_seconds_count", (("stage", stage),))] >= 2
+    assert m[("openjev_jobs_total", (("outcome", "succeeded"),))] >= 2
+    assert m[("openjev_live_workers", ())] == 1
+    assert m[("openjev_redis_up", ())] == 1
+    assert m[("openjev_queue_depth", (("worker", "w0"),))] == 0
+    assert m[("openjev_worker_jobs_done", (("worker", "w0"),))] >= 2
+    assert m[("openjev_worker_branch_prompt_tokens", (("worker", "w0"),))] > 0
+    assert m[("openjev_cached_tokens_total", ())] > 0
+
+
+def test_metrics_need_the_key_when_one_is_set(scripted_stack: Stack) -> None:
+    api = start_api(scripted_stack.log_dir, {**scripted_stack.env, "OPENJEV_API_KEY": "metrics-key"})
+    try:
+        assert httpx.get(api.url + "/metrics").status_code == 403
+        ok = httpx.get(api.url + "/metrics", headers={"Authorization": "Bearer metrics-key"})
+        assert ok.status_code == 200 and "openjev_live_workers" in ok.text
+    finally:
+        api.stop()
