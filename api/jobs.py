@@ -80,7 +80,8 @@ async def get_job(request: Request, job_id: str,
     queue = request.app.state.services.queue
     record = await _record(request, job_id)
     if not record.status.terminal and wait > 0:
-        record = await queue.wait(job_id, min(wait, max(0.0, record.deadline_at - time.time()) + 1.0)) or record
+        await queue.wait(job_id, min(wait, max(0.0, record.deadline_at - time.time()) + 1.0))
+        record = await _record(request, job_id)
     return _view(await _expire_if_overdue(request, record))
 
 

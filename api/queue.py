@@ -9,6 +9,7 @@ import logging
 import math
 import time
 
+import orjson
 from arq.connections import ArqRedis
 from arq.constants import abort_jobs_ss, job_key_prefix
 from arq.jobs import serialize_job
@@ -18,7 +19,7 @@ from api.errors import NoWorker, Overloaded, QueueUnavailable
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.jobstore import JobRecord, JobStore
-from common.membership import WorkerInfo, live_workers
+from common.membership import WorkerInfo, fleet, live_workers
 from common.routing import rank_workers, round_robin, route_job
 from common.settings import RoutingPolicy
 
@@ -32,7 +33,7 @@ class CompletionWaiter:
 
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
-        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiting: dict[str, set[asyncio.Future[bytes]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -44,13 +45,13 @@ class CompletionWaiter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def expect(self, job_id: str) -> asyncio.Future[None]:
-        """A future set when `job_id`'s completion is announced; call `forget` when done."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def expect(self, job_id: str) -> asyncio.Future[bytes]:
+        """A future set to the outcome JSON when `job_id`'s end is announced; call `forget` when done."""
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(job_id, set()).add(future)
         return future
 
-    def forget(self, job_id: str, future: asyncio.Future[None]) -> None:
+    def forget(self, job_id: str, future: asyncio.Future[bytes]) -> None:
         futures = self._waiting.get(job_id)
         if futures is not None:
             futures.discard(future)
@@ -63,17 +64,18 @@ class CompletionWaiter:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(keys.DONE_CHANNEL)
                     async for message in pubsub.listen():
-                        self._announce(message["data"].decode())
+                        self._announce(message["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis went away: resubscribe; waiters recheck records meanwhile
                 log.warning("completion subscription lost (%r); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
-    def _announce(self, job_id: str) -> None:
-        for future in self._waiting.pop(job_id, ()):
+    def _announce(self, notice: bytes) -> None:
+        job_id, _, outcome = notice.partition(b" ")
+        for future in self._waiting.pop(job_id.decode(), ()):
             if not future.done():
-                future.set_result(None)
+                future.set_result(outcome)
 
 
 class JobQueue:
@@ -103,14 +105,22 @@ class JobQueue:
             counts = await pipe.execute()
         return {w.id: int(c) for w, c in zip(workers, counts, strict=True)}
 
+    async def fleet(self) -> list[tuple[WorkerInfo, int]]:
+        """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
+        try:
+            return await fleet(self.redis)
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
+
     async def submit(self, job: EvaluationJob) -> str:
         """Route and enqueue `job`; returns the queue it went to."""
-        workers = await self.workers()
-        if not workers:
+        live = [(w, n) for w, n in await self.fleet() if w.engine_ok]
+        if not live:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})
+        workers = [w for w, _ in live]
+        lengths = {w.id: n for w, n in live}
         try:
-            lengths = await self.queue_lengths(workers)
             queue = self._admit(job, workers, lengths, await self._route(job, workers, lengths))
             await self._enqueue(job, queue)
         except (RedisError, OSError) as exc:
@@ -121,7 +131,9 @@ class JobQueue:
         """Record, enqueue and wake in one round trip. This is arq's `enqueue_job` without its
         WATCH/EXISTS guard, which only protects caller-chosen ids; ours are fresh and random."""
         now_ms = int(time.time() * 1000)
-        payload = serialize_job(keys.JOB_FUNCTION, (job.model_dump(mode="json"),), {}, None, now_ms,
+        # The job is already JSON-shaped: pydantic-core writes it, orjson embeds it as is.
+        record = orjson.Fragment(job.model_dump_json())
+        payload = serialize_job(keys.JOB_FUNCTION, (record,), {}, None, now_ms,
                                 serializer=serialize)
         expires_ms = int((max(1.0, job.remaining()) + 60) * 1000)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -154,27 +166,33 @@ class JobQueue:
         raise Overloaded(f"every worker's queue would finish this request after its deadline "
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
-    async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
-        """The job's record once it ends, or None if `timeout` seconds pass first; QueueUnavailable
-        (503, never a 500 or a hang) if Redis goes away meanwhile."""
+    async def wait(self, job_id: str, timeout: float) -> JobOutcome | None:
+        """The job's outcome once it ends, or None if `timeout` seconds pass first (or the job is
+        unknown). The pushed notice answers at once; the record is re-read now and then in case a
+        notice was missed."""
         deadline = time.monotonic() + timeout
         future = self.waiter.expect(job_id)
         try:
             while True:
-                try:
-                    record = await self.store.get(job_id)
-                except (RedisError, OSError) as exc:
-                    raise QueueUnavailable("the job queue became unreachable; retry shortly",
-                                           {"Retry-After": "2"}) from exc
-                if record is None or record.status.terminal:
-                    return record
+                record = await self._read(job_id)
+                if record is None:
+                    return None
+                if record.status.terminal:
+                    return record.outcome
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                    notice = await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                    return JobOutcome.model_validate_json(notice)
         finally:
             self.waiter.forget(job_id, future)
+
+    async def _read(self, job_id: str) -> JobRecord | None:
+        try:
+            return await self.store.get(job_id)
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
     async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int) -> bool:
         """End the job as `status` unless it already ended, and have its worker abort it."""

@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import require_key
@@ -45,12 +44,11 @@ async def systemone(request: Request,
     prepare_seconds = time.perf_counter() - started
     request.state.job_id = job.id
     await services.queue.submit(job)
-    record = await _wait_unless_disconnected(request, job.id, job.remaining())
-    if record is None:
+    outcome = await _wait_unless_disconnected(request, job.id, job.remaining())
+    if outcome is None:
         await services.queue.cancel(job.id, JobStatus.expired, "timeout_error",
                                     "the request did not finish before its deadline", 504)
         raise DeadlineExceeded(f"no answer within {services.settings.request_timeout:g} s; the work was aborted")
-    outcome: JobOutcome = record.outcome
     request.app.state.metrics.observe_outcome(outcome, prepare_seconds)
     if outcome.status is not JobStatus.succeeded or outcome.result is None:
         error = outcome.error or {"error_type": "api_error", "message": "the job ended without a result"}
@@ -59,7 +57,7 @@ async def systemone(request: Request,
 
 
 async def _wait_unless_disconnected(request: Request, job_id: str, timeout: float):
-    """The job's final record; None past `timeout`. A client that hangs up cancels the job."""
+    """The job's outcome; None past `timeout`. A client that hangs up cancels the job."""
     queue = request.app.state.services.queue
     waiting = asyncio.create_task(queue.wait(job_id, timeout))
     hangup = asyncio.create_task(_disconnected(request))
@@ -120,20 +118,19 @@ async def limits(request: Request) -> dict[str, Any]:
 
 
 async def _queue_state(request: Request) -> dict[str, Any]:
-    queue = request.app.state.services.queue
+    """Queue depth and every heartbeating worker, engines down included (they take no jobs)."""
     try:
-        workers = await queue.workers()
-        lengths = await queue.queue_lengths(workers)
-    except Exception:
+        members = await request.app.state.services.queue.fleet()
+    except ApiError:
         return {"redis": "unreachable", "live_workers": 0, "queue_depth": None, "workers": []}
     return {
         "redis": "ok",
-        "live_workers": len(workers),
-        "queue_depth": sum(lengths.values()),
-        "workers": [{"id": w.id, "queue_depth": lengths[w.id], "engine_ok": w.engine_ok, "model": w.model,
+        "live_workers": sum(1 for w, _ in members if w.engine_ok),
+        "queue_depth": sum(n for _, n in members),
+        "workers": [{"id": w.id, "queue_depth": n, "engine_ok": w.engine_ok, "running": w.running, "model": w.model,
                      "heartbeat_age_s": round(time.time() - w.heartbeat_at, 3), "counters": w.counters.model_dump(),
                      "branch_hit_ratio": w.counters.branch_hit_ratio, "warm_hit_ratio": w.counters.warm_hit_ratio}
-                    for w in workers],
+                    for w, n in members],
     }
 
 
@@ -152,11 +149,12 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     services = request.app.state.services
     try:
-        workers = await services.queue.workers()
-        lengths = await services.queue.queue_lengths(workers)
-    except (ApiError, RedisError, OSError):
-        workers, lengths = None, {}
-    return Response(request.app.state.metrics.render(workers, lengths), media_type=CONTENT_TYPE_LATEST)
+        members = await services.queue.fleet()
+    except ApiError:
+        return Response(request.app.state.metrics.render(None, {}), media_type=CONTENT_TYPE_LATEST)
+    live = [w for w, _ in members if w.engine_ok]
+    lengths = {w.id: n for w, n in members}
+    return Response(request.app.state.metrics.render(live, lengths), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health/live", tags=["Operations"], summary="Liveness: the process answers")

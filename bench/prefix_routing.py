@@ -133,8 +133,8 @@ async def run_phase(redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, 
         async with gate:
             job = preparer.prepare(request, "req_bench", 600)
             await queue.submit(job)
-            record = await queue.wait(job.id, 600)
-            assert record is not None and record.outcome is not None and record.outcome.result is not None, record
+            outcome = await queue.wait(job.id, 600)
+            assert outcome is not None and outcome.result is not None, outcome
 
     before, engines_before = await published_counters(redis), engine_totals(engines)
     started = time.perf_counter()

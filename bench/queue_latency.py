@@ -71,8 +71,8 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
     async def queued() -> None:
         job = preparer.prepare(request, "req_bench", 60)
         await queue.submit(job)
-        record = await queue.wait(job.id, 60)
-        assert record is not None and record.outcome is not None and record.outcome.result is not None
+        outcome = await queue.wait(job.id, 60)
+        assert outcome is not None and outcome.result is not None
 
     while not await queue.workers():
         await asyncio.sleep(0.2)

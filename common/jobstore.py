@@ -34,13 +34,14 @@ return 1
 """
 
 # KEYS[1] job hash, KEYS[2] done channel; ARGV: status, outcome JSON, ttl, job id, terminal statuses...
+# The notice carries the outcome ("<job id> <outcome JSON>"), so a waiter needs no second read.
 _FINISH = """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 0 end
 for i = 5, #ARGV do if s == ARGV[i] then return 0 end end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'outcome', ARGV[2])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-redis.call('PUBLISH', KEYS[2], ARGV[4])
+redis.call('PUBLISH', KEYS[2], ARGV[4] .. ' ' .. ARGV[2])
 return 1
 """
 

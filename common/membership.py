@@ -106,6 +106,30 @@ async def leave(redis: Redis, worker_id: str) -> None:
         await pipe.execute()
 
 
+# KEYS[1] workers zset; ARGV: oldest live heartbeat, worker key prefix, queue key prefix.
+# Returns [worker JSON, queue length, ...] for every worker with a fresh heartbeat, in one round trip.
+_FLEET = """
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')) do
+  local raw = redis.call('GET', ARGV[2] .. id)
+  if raw then
+    out[#out + 1] = raw
+    out[#out + 1] = redis.call('ZCARD', ARGV[3] .. id)
+  end
+end
+return out
+"""
+
+
+async def fleet(redis: Redis, now: float | None = None) -> list[tuple[WorkerInfo, int]]:
+    """Every worker with a fresh heartbeat (healthy engine or not) and its queue length."""
+    now = time.time() if now is None else now
+    script = redis.register_script(_FLEET)
+    flat = await script(keys=[keys.WORKERS],
+                        args=[now - LIVENESS_WINDOW, keys.worker_key(""), keys.queue_name("")])
+    return [(WorkerInfo.model_validate(orjson.loads(flat[i])), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
 async def live_workers(redis: Redis, now: float | None = None) -> list[WorkerInfo]:
     """Workers that heartbeat within the liveness window and report a healthy engine."""
     now = time.time() if now is None else now

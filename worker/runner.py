@@ -13,6 +13,8 @@ from typing import Any
 
 from arq import Worker
 from arq.connections import ArqRedis, RedisSettings
+from arq.constants import in_progress_key_prefix
+from arq.utils import timestamp_ms
 from redis.exceptions import RedisError
 
 from common import keys
@@ -111,6 +113,17 @@ def _failure(status: JobStatus, http_status: int, error_type: str, message: str,
                       worker_id=worker_id)
 
 
+# KEYS[1] in-progress key, KEYS[2] queue; ARGV: job id, now (ms), in-progress timeout (ms).
+# Returns the job's queue score when this worker may start it, else 0.
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('PSETEX', KEYS[1], ARGV[3], '1')
+return tonumber(score)
+"""
+
+
 class QueueWorker(Worker):
     """arq's worker with a push wake-up: it blocks on its wake list between polls, so a new job
     starts within a Redis round trip; the timeout keeps heartbeats and aborts on schedule."""
@@ -121,6 +134,7 @@ class QueueWorker(Worker):
         self._wakeups = set()
         if self._pool is None:
             self._pool = await self._connect()
+        self._claim = self.pool.register_script(_CLAIM)
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)
@@ -140,6 +154,26 @@ class QueueWorker(Worker):
 
         return await create_pool(self.redis_settings, job_serializer=self.job_serializer,
                                  job_deserializer=self.job_deserializer, default_queue_name=self.queue_name)
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """arq's claim of each job (not already running elsewhere, due now) in one atomic script
+        instead of a WATCH/EXISTS/ZSCORE/MULTI sequence: four round trips fewer on every job."""
+        for raw_id in job_ids:
+            await self.sem.acquire()
+            if self.job_counter >= self.max_jobs:
+                self.sem.release()
+                return
+            self.job_counter += 1
+            job_id = raw_id.decode()
+            score = await self._claim(keys=[in_progress_key_prefix + job_id, self.queue_name],
+                                      args=[job_id, timestamp_ms(), int(self.in_progress_timeout_s * 1000)])
+            if not score:  # running elsewhere, finished, or moved to another queue meanwhile
+                self.job_counter -= 1
+                self.sem.release()
+                continue
+            task = self.loop.create_task(self.run_job(job_id, int(score)))
+            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[job_id] = task
 
     def _release_sem_dec_counter_on_complete(self) -> None:
         super()._release_sem_dec_counter_on_complete()
