@@ -136,7 +136,7 @@ class FaultStack:
         return httpx.get(self.url + "/health", timeout=10)
 
     def live_worker_ids(self) -> set[str]:
-        return {w["id"] for w in self.health().json()["workers"]}
+        return {w["id"] for w in self.health().json()["workers"] if w["engine_ok"]}
 
     def wait_live(self, *worker_ids: str, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -296,7 +296,9 @@ def test_a_worker_whose_engine_dies_reports_it_stops_taking_jobs_and_exits_3(
     faults.wait_live("w-orphan")
     engine.kill()
     assert wait_for_engine_report(faults, "w-orphan") is False  # its heartbeat says the engine is down
-    assert "w-orphan" not in faults.live_worker_ids()  # /health no longer counts it
+    assert "w-orphan" not in faults.live_worker_ids()  # /health no longer counts it as live
+    shown = {w["id"]: w for w in faults.health().json()["workers"]}
+    assert shown["w-orphan"]["engine_ok"] is False  # but shows it, with its engine down
     assert worker.alive()  # it reported before giving up
     assert_error_shape(faults.post(body("Only a worker without an engine.")), 503, "unavailable_error")
     assert worker.process.wait(30) == 3
