@@ -40,6 +40,8 @@ class WorkerCounters(BaseModel):
     branch_prompt_tokens: int = 0
     branch_cached_tokens: int = 0
     unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang's Rust frontend)
+    engine_errors: int = 0  # engine calls that failed or were aborted by the engine
+    aborts_sent: int = 0  # abort requests sent for live calls of failed, timed-out or cancelled jobs
 
     def record_job(self, warm: CallTokens, branches: Sequence[CallTokens]) -> None:
         """Add an answered job's warm call and branch calls."""

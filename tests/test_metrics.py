@@ -49,3 +49,17 @@ def test_metrics_need_the_key_when_one_is_set(scripted_stack: Stack) -> None:
         assert ok.status_code == 200 and "openjev_live_workers" in ok.text
     finally:
         api.stop()
+
+
+def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) -> None:
+    scripted_stack.script(delay=2.0, fail_rid_suffix=".b1", fail_delay=0.5)
+    try:
+        r = scripted_stack.post(body({"a": NOUL, "b": NOUL, "c": NOUL}))
+    finally:
+        scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_delay=0.0)
+    assert r.status_code == 502
+    time.sleep(1.5)
+    m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
+    assert m[("openjev_worker_engine_errors", (("worker", "w0"),))] >= 1
+    assert m[("openjev_worker_aborts_sent", (("worker", "w0"),))] >= 2  # b0 and b2 were live
+    assert m[("openjev_jobs_total", (("outcome", "failed"),))] >= 1

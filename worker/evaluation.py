@@ -40,6 +40,7 @@ class JobEvaluation:
         self.slots = slots
         self.max_new_tokens = max_new_tokens
         self._live: set[str] = set()  # rids sent to the engine and not yet answered
+        self.aborts_sent = 0  # abort requests sent for this job's live calls
 
     async def run(self) -> Evaluation:
         """Evaluate before the job's deadline (TimeoutError past it)."""
@@ -94,6 +95,7 @@ class JobEvaluation:
 
     async def _abort_live(self) -> None:
         live, self._live = self._live, set()
+        self.aborts_sent += len(live)
         await asyncio.gather(*(self.engine.abort(rid) for rid in live))
 
     def _response_body(self, warm: GenerateResult, results: list[GenerateResult]) -> dict:

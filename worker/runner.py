@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.jobstore import JobStore
-from common.membership import HEARTBEAT_INTERVAL, WorkerInfo, heartbeat, leave
+from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
@@ -82,7 +82,9 @@ def _log_job(job: EvaluationJob, outcome: JobOutcome) -> None:
 
 
 async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
+    """Evaluate; every way it can end becomes an outcome (a cancellation still propagates)."""
     worker_id: str = ctx["worker_id"]
+    counters: WorkerCounters = ctx["info"].counters
     evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], ctx["settings"].branch_max_new_tokens)
     try:
         result = await evaluation.run()
@@ -90,15 +92,19 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> Job
         return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
                         worker_id)
     except EngineAborted as exc:
+        counters.engine_errors += 1
         return _failure(JobStatus.failed, 503, "engine_aborted", str(exc), worker_id)
     except EngineError as exc:
+        counters.engine_errors += 1
         log.warning("job %s: engine error: %s", job.id, exc)
         return _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
     except asyncio.CancelledError:
         await asyncio.shield(ctx["store"].finish(job.id, _failure(
             JobStatus.cancelled, 499, "cancelled", "the job was cancelled", worker_id)))
         raise
-    ctx["info"].counters.record_job(result.warm_call, result.branch_calls)
+    finally:
+        counters.aborts_sent += evaluation.aborts_sent
+    counters.record_job(result.warm_call, result.branch_calls)
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
                       worker_id=worker_id)
