@@ -100,10 +100,12 @@ async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
         await pipe.execute()
 
 
-async def leave(redis: Redis, worker_id: str) -> None:
-    """Leave the routing set at once (clean shutdown)."""
+async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> None:
+    """Stop receiving jobs at once (clean shutdown). With `keep_membership` the worker stays in the
+    set as a silent member, so once its lease lapses its queued jobs are moved to live workers."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.zrem(keys.WORKERS, worker_id)
+        if not keep_membership:
+            pipe.zrem(keys.WORKERS, worker_id)
         pipe.delete(keys.worker_key(worker_id))
         await pipe.execute()
 

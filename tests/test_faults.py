@@ -483,7 +483,7 @@ def test_under_serve_connect_a_worker_whose_engine_dies_stops_serve_nonzero(mode
     try:
         children = descendants(served.process.pid)
         engine.kill()  # not serve's child: only the worker can notice
-        assert served.process.wait(60) != 0
+        assert served.process.wait(120) != 0
         assert "worker-0 exited with 3" in served.output()
         assert [cmd for pid, cmd in children.items() if alive(pid)] == []
     finally:

@@ -6,6 +6,8 @@ answered once by another worker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,3 +231,13 @@ def test_a_job_running_on_a_worker_that_dies_is_answered_once_by_the_next_in_its
         fleet.script(first, delay=0.0)
         fleet.abort_stalled(first)
     fleet.restart(first)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workers", "0"], "must be at least 1"),
+    (["--workers", "2", "--connect", "http://127.0.0.1:30000"], "runs N CPU engines"),
+])
+def test_serve_refuses_a_fleet_it_cannot_build(args: list[str], message: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "openjev", "serve", *args], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert message in run.stderr

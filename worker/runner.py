@@ -98,10 +98,6 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> Job
         counters.engine_errors += 1
         log.warning("job %s: engine error: %s", job.id, exc)
         return _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
-    except asyncio.CancelledError:
-        await asyncio.shield(ctx["store"].finish(job.id, _failure(
-            JobStatus.cancelled, 499, "cancelled", "the job was cancelled", worker_id)))
-        raise
     finally:
         counters.aborts_sent += evaluation.aborts_sent
     counters.record_job(result.warm_call, result.branch_calls)
@@ -208,9 +204,13 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     if task:
         task.cancel()
     with contextlib.suppress(RedisError, OSError):
-        await leave(ctx["redis"], ctx["info"].id)
-        if await ctx["redis"].zcard(ctx["info"].queue) == 0:
-            await ctx["lease"].release()  # nothing left behind: a successor need not wait the lease out
+        # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq re-queues)
+        # stay ours until the lease lapses: a restart with this id resumes them, otherwise a live
+        # worker moves them. Only an empty queue lets the worker leave at once.
+        left_behind = await ctx["redis"].zcard(ctx["info"].queue)
+        await leave(ctx["redis"], ctx["info"].id, keep_membership=bool(left_behind))
+        if not left_behind:
+            await ctx["lease"].release()
     await ctx["engine"].close()
 
 
