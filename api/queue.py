@@ -97,14 +97,6 @@ class JobQueue:
         except (RedisError, OSError) as exc:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
-    async def queue_lengths(self, workers: list[WorkerInfo]) -> dict[str, int]:
-        """Jobs in each worker's queue, running or waiting for a slot (by worker id)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for w in workers:
-                pipe.zcard(w.queue)
-            counts = await pipe.execute()
-        return {w.id: int(c) for w, c in zip(workers, counts, strict=True)}
-
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
         try:

@@ -107,3 +107,11 @@ def start_api(log_dir: Path, env: dict[str, str], wait_ready: bool = True) -> Pr
                  health=f"{url}/health" if wait_ready else f"{url}/health/live", timeout=180)
     proc.url = url
     return proc
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

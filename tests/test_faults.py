@@ -25,7 +25,7 @@ import redis
 from common import keys
 from openjev.embedded_redis import free_port, start_redis
 from tests.conftest import model_cache_dir, stack_env
-from tests.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http
+from tests.processes import Proc, alive, openjev, spawn, start_scripted_engine, start_worker, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -382,13 +382,6 @@ def descendants(pid: int) -> dict[int, str]:
         found |= {child: table[child][1] for child in frontier}
     return found
 
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def child(serve: subprocess.Popen[bytes], subcommand: str) -> tuple[int, str]:

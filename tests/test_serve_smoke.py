@@ -20,7 +20,7 @@ import pytest
 
 from openjev.embedded_redis import free_port, start_redis
 from tests.conftest import CPU_MODEL_NAME, model_cache_dir
-from tests.processes import ROOT
+from tests.processes import ROOT, alive
 
 SERVE_START_TIMEOUT = 600.0  # a first run converts the CPU model
 SERVING_LINE = re.compile(r"openjev is serving on (http://\S+)")
@@ -42,13 +42,6 @@ def descendants(pid: int) -> set[int]:
         found |= frontier
     return found
 
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start_serve(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
