@@ -161,8 +161,7 @@ class Supervisor:
     def _wait_healthy(self, child: Child, url: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stopping:
-            if child.process is not None and child.process.poll() is not None:
-                _log(f"{child.name} exited with {child.process.returncode} while starting")
+            if self._check_children() is not None:  # any fatal death ends the start, not only this child's
                 return False
             try:
                 if httpx.get(url, timeout=2.0).status_code == 200:
@@ -179,19 +178,27 @@ class Supervisor:
 
     def _watch(self) -> int:
         while not self._stopping:
-            for child in self.children:
-                code = child.process.poll() if child.process else None
-                if code is None:
-                    continue
-                # A worker whose engine is down cannot be cured by a restart: that stops the group too.
-                if child.restart and code != EXIT_ENGINE_DOWN and self._may_restart(child):
-                    _log(f"{child.name} exited with {code}; restarting it (its jobs wait in Redis)")
-                    child.start()
-                    continue
-                _log(f"{child.name} exited with {code}; stopping openjev")
-                return code or 1
+            code = self._check_children()
+            if code is not None:
+                return code
             time.sleep(0.2)
         return 0
+
+    def _check_children(self) -> int | None:
+        """One look at every child: restart a worker that died, unless its engine is down; the exit
+        status to stop with when any other child died, else None."""
+        for child in self.children:
+            code = child.process.poll() if child.process else None
+            if code is None:
+                continue
+            # A worker whose engine is down cannot be cured by a restart: that stops the group too.
+            if child.restart and code != EXIT_ENGINE_DOWN and self._may_restart(child):
+                _log(f"{child.name} exited with {code}; restarting it (its jobs wait in Redis)")
+                child.start()
+                continue
+            _log(f"{child.name} exited with {code}; stopping openjev")
+            return code or 1
+        return None
 
     def _may_restart(self, child: Child) -> bool:
         now = time.monotonic()
