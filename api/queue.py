@@ -29,7 +29,7 @@ RECHECK_INTERVAL = 1.0  # seconds between record checks, in case a completion no
 
 
 class CompletionWaiter:
-    """Resolves waiting requests when workers publish a job id on the done channel."""
+    """Resolves waiting requests when a worker publishes "<job id> <outcome JSON>" on the done channel."""
 
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
