@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,19 @@ def build_stack(redis_url: str, engine: Proc, model_dir: Path, log_dir: Path, **
     worker = start_worker(log_dir, env, engine.url, "w0")
     api = start_api(log_dir, env)
     return Stack(redis_url, engine, api, [worker], env, log_dir)
+
+
+@contextmanager
+def isolated_scripted_stack(model_dir: Path, log_dir: Path, **overrides: str) -> Iterator[Stack]:
+    """A scripted stack on its own Redis, so no other test's worker can take its jobs."""
+    process, redis_url = start_redis()
+    stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, **overrides)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        process.terminate()
+        process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from openjev.embedded_redis import start_redis
-from tests.conftest import Stack, build_stack, model_cache_dir
-from tests.processes import start_cpu_engine, start_scripted_engine
+from tests.conftest import Stack, build_stack, isolated_scripted_stack, model_cache_dir
+from tests.processes import start_cpu_engine
 from tests.test_api_contract import NOUL, body
 
 THREE = {"a": NOUL, "b": NOUL, "c": NOUL}
@@ -84,15 +83,9 @@ def test_a_deleted_async_job_stops_in_the_engine(slow_stack: Stack) -> None:
 def tight_stack(model_dir, log_dir) -> Iterator[Stack]:
     """Its own Redis (so no other worker takes its jobs): one job at a time, a scripted engine,
     short deadlines."""
-    process, redis_url = start_redis()
-    engine = start_scripted_engine(log_dir)
-    stack = build_stack(redis_url, engine, model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="5",
-                        OPENJEV_MAX_CONCURRENT_REQUESTS="1", OPENJEV_MAX_CONCURRENT_BRANCHES="2",
-                        OPENJEV_JOB_TIMEOUT="2")
-    yield stack
-    stack.stop()
-    process.terminate()
-    process.wait(10)
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="5", OPENJEV_MAX_CONCURRENT_REQUESTS="1",
+                                 OPENJEV_MAX_CONCURRENT_BRANCHES="2", OPENJEV_JOB_TIMEOUT="2") as stack:
+        yield stack
 
 
 def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack: Stack) -> None:
@@ -144,14 +137,9 @@ def test_when_no_worker_could_finish_in_time_new_requests_get_529_fast(tight_sta
 @pytest.fixture
 def two_slot_stack(model_dir, log_dir) -> Iterator[Stack]:
     """Its own Redis: a worker running two jobs at once with only two branch slots between them."""
-    process, redis_url = start_redis()
-    engine = start_scripted_engine(log_dir)
-    stack = build_stack(redis_url, engine, model_dir, log_dir, OPENJEV_MAX_CONCURRENT_REQUESTS="2",
-                        OPENJEV_MAX_CONCURRENT_BRANCHES="2")
-    yield stack
-    stack.stop()
-    process.terminate()
-    process.wait(10)
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_MAX_CONCURRENT_REQUESTS="2",
+                                 OPENJEV_MAX_CONCURRENT_BRANCHES="2") as stack:
+        yield stack
 
 
 def test_a_big_job_cannot_hold_back_another_jobs_branches(two_slot_stack: Stack) -> None:
