@@ -132,7 +132,7 @@ class JobQueue:
             self.store.stage_create(pipe, job.id, job.request_id, job.created_at, job.deadline_at, queue)
             pipe.psetex(job_key_prefix + job.id, expires_ms, payload)
             pipe.zadd(queue, {job.id: now_ms})
-            pipe.lpush(keys.wake_key(queue), b"1")
+            pipe.rpush(keys.wake_key(queue), job.id)
             await pipe.execute()
 
     async def _route(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int]) -> str:
@@ -196,7 +196,7 @@ class JobQueue:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
                 if record is not None and record.queue:
-                    pipe.lpush(keys.wake_key(record.queue), b"1")
+                    pipe.lpush(keys.wake_key(record.queue), keys.WAKE_ALL)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc

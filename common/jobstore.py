@@ -1,5 +1,9 @@
 """The job status record in Redis, shared by the API (creates, cancels, reads) and the workers
-(start, finish). The first terminal write wins, atomically, and announces itself on pub/sub."""
+(take, finish). The first terminal write wins, atomically, and announces itself on pub/sub.
+
+A worker takes a job and ends it in one round trip each: `take` claims it in arq's layout (the
+in-progress key, the try counter, the abort set), reads its payload and marks the record running;
+`finish` stores the outcome and removes the job from its queue in the same step."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
@@ -16,12 +21,25 @@ from common.jobs import JobOutcome, JobStatus
 
 _TERMINAL = [s.value for s in JobStatus if s.terminal]
 
-# KEYS[1] job hash; ARGV: worker id. Queued (or re-run after a lost worker) -> running.
-_START = """
+RETRY_KEY_TTL = 88400  # seconds, as long as arq keeps its try counters
+
+# KEYS: job hash, in-progress key, queue, arq job key, try counter, abort set; ARGV: job id, in-progress
+# ttl (ms), worker id, now, try counter ttl (s). Nothing when the job has left the queue or runs
+# elsewhere; otherwise the job is claimed as arq claims it and the reply is {payload, try, runnable}:
+# runnable = 1 when no abort was asked and the record was queued (or running under a lost worker),
+# and the record now says running here.
+_TAKE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return false end
+redis.call('PSETEX', KEYS[2], ARGV[2], '1')
+local payload = redis.call('GET', KEYS[4]) or ''
+local try = redis.call('INCR', KEYS[5])
+redis.call('EXPIRE', KEYS[5], ARGV[5])
+local aborted = redis.call('ZREM', KEYS[6], ARGV[1])
 local s = redis.call('HGET', KEYS[1], 'status')
-if s ~= 'queued' and s ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'started_at', ARGV[2])
-return 1
+if aborted == 1 or (s ~= 'queued' and s ~= 'running') then return {payload, try, 0} end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at', ARGV[4])
+return {payload, try, 1}
 """
 
 # KEYS[1] job hash; ARGV: queue. A job moved off a vanished worker's queue is queued again, unless it
@@ -33,9 +51,16 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', ARGV[1])
 return 1
 """
 
-# KEYS[1] job hash, KEYS[2] done channel; ARGV: status, outcome JSON, ttl, job id, terminal statuses...
-# The notice carries the outcome ("<job id> <outcome JSON>"), so a waiter needs no second read.
+# KEYS: job hash, done channel, then (a worker ending its job) the queue, the abort set and arq's keys
+# for the job; ARGV: status, outcome JSON, ttl, job id, terminal statuses... The job leaves its queue
+# whoever won; the outcome is stored and announced only by the first terminal write. The notice
+# carries the outcome ("<job id> <outcome JSON>"), so a waiter needs no second read.
 _FINISH = """
+if #KEYS > 2 then
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  redis.call('ZREM', KEYS[4], ARGV[4])
+  redis.call('DEL', unpack(KEYS, 5))
+end
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 0 end
 for i = 5, #ARGV do if s == ARGV[i] then return 0 end end
@@ -44,6 +69,16 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 redis.call('PUBLISH', KEYS[2], ARGV[4] .. ' ' .. ARGV[2])
 return 1
 """
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A job a worker has claimed: its arq payload (empty once arq's copy expired), which try this
+    is, and whether to run it (False: it ended or an abort was asked while it was queued)."""
+
+    payload: bytes
+    attempt: int
+    runnable: bool
 
 
 @dataclass(frozen=True)
@@ -66,7 +101,7 @@ class JobStore:
     def __init__(self, redis: Redis, result_ttl: int) -> None:
         self.redis = redis
         self.result_ttl = result_ttl
-        self._start = redis.register_script(_START)
+        self._take = redis.register_script(_TAKE)
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
 
@@ -84,14 +119,25 @@ class JobStore:
         })
         pipe.expire(key, int(deadline_at - created_at) + self.result_ttl)
 
-    async def start(self, job_id: str, worker_id: str) -> bool:
-        """Mark the job running on `worker_id`; False when it already ended (cancelled, expired)."""
-        return bool(await self._start(keys=[keys.job_key(job_id)], args=[worker_id, repr(time.time())]))
+    async def take(self, job_id: str, queue: str, worker_id: str, in_progress_ms: int) -> Taken | None:
+        """Claim the job for `worker_id`, who serves `queue`; None when it is not in that queue any
+        more or another worker holds it."""
+        reply = await self._take(
+            keys=[keys.job_key(job_id), in_progress_key_prefix + job_id, queue, job_key_prefix + job_id,
+                  retry_key_prefix + job_id, abort_jobs_ss],
+            args=[job_id, in_progress_ms, worker_id, repr(time.time()), RETRY_KEY_TTL])
+        if reply is None:
+            return None
+        payload, attempt, runnable = reply
+        return Taken(payload=payload, attempt=int(attempt), runnable=bool(runnable))
 
-    async def finish(self, job_id: str, outcome: JobOutcome) -> bool:
-        """Store the outcome unless the job already ended; True when this write won."""
+    async def finish(self, job_id: str, outcome: JobOutcome, queue: str | None = None) -> bool:
+        """Store the outcome unless the job already ended; True when this write won. A worker
+        passes its `queue`: the job then leaves it, with arq's keys for it, in the same step."""
+        cleanup = [] if queue is None else [queue, abort_jobs_ss, in_progress_key_prefix + job_id,
+                                             retry_key_prefix + job_id, job_key_prefix + job_id]
         won = await self._finish(
-            keys=[keys.job_key(job_id), keys.DONE_CHANNEL],
+            keys=[keys.job_key(job_id), keys.DONE_CHANNEL, *cleanup],
             args=[outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id, *_TERMINAL],
         )
         return bool(won)

@@ -16,8 +16,12 @@ def queue_name(worker_id: str) -> str:
 
 
 def wake_key(queue: str) -> str:
-    """A list the API pushes to so the worker picks a new job at once instead of polling."""
+    """A list of wake-up tokens for the worker serving `queue`, so it need not poll: a new job's id
+    (pushed at the tail, taken in order), or `WAKE_ALL` (pushed at the head)."""
     return f"{queue}:wake"
+
+
+WAKE_ALL = b"*"  # wake-up token: look at the whole queue and the abort set (a cancel, a freed slot)
 
 
 def worker_key(worker_id: str) -> str:

@@ -32,14 +32,15 @@ return 1
 
 
 # KEYS: the victim's lease, its queue, the target queue, the job's in-progress key, the target's wake
-# list; ARGV: job id, score. Move one job, unless the victim's id is leased again (a restarted worker
-# is resuming its jobs): checked in the same step as the move, so the job cannot run in both places.
+# list; ARGV: job id, score. Move one job and wake the target with its id, unless the victim's id is
+# leased again (a restarted worker is resuming its jobs): checked in the same step as the move, so
+# the job cannot run in both places.
 _MOVE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 redis.call('DEL', KEYS[4])
-redis.call('LPUSH', KEYS[5], '1')
+redis.call('RPUSH', KEYS[5], ARGV[1])
 return 1
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -14,12 +15,12 @@ from typing import Any
 from arq import Worker
 from arq.connections import ArqRedis, RedisSettings
 from arq.constants import in_progress_key_prefix
-from arq.utils import timestamp_ms
+from arq.jobs import SerializationError, deserialize_job_raw
 from redis.exceptions import RedisError
 
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
-from common.jobstore import JobStore
+from common.jobstore import JobStore, Taken
 from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
@@ -43,18 +44,11 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
-    """The arq job: evaluate one `EvaluationJob` and store its outcome."""
-    picked_at = time.time()
-    job = EvaluationJob.model_validate(payload)
-    store: JobStore = ctx["store"]
-    worker_id: str = ctx["worker_id"]
+async def evaluate(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
+    """Evaluate one job picked at `picked_at` and return how it ended."""
     if job.remaining(picked_at) <= 0:
-        await store.finish(job.id, _failure(JobStatus.expired, 504, "timeout_error",
-                                            "the job's deadline passed before a worker could start it", worker_id))
-        return
-    if not await store.start(job.id, worker_id):
-        return  # cancelled or expired while queued: spend nothing on it
+        return _failure(JobStatus.expired, 504, "timeout_error",
+                        "the job's deadline passed before a worker could start it", ctx["worker_id"])
     info: WorkerInfo = ctx["info"]
     info.running += 1
     try:
@@ -65,8 +59,7 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         info.avg_job_seconds = _moving_average(info.avg_job_seconds, time.time() - picked_at)
     else:
         info.counters.jobs_failed += 1
-    await store.finish(job.id, outcome)
-    _log_job(job, outcome)
+    return outcome
 
 
 def _log_job(job: EvaluationJob, outcome: JobOutcome) -> None:
@@ -115,40 +108,37 @@ def _failure(status: JobStatus, http_status: int, error_type: str, message: str,
                       worker_id=worker_id)
 
 
-# KEYS[1] in-progress key, KEYS[2] queue; ARGV: job id, now (ms), in-progress timeout (ms).
-# Returns the job's queue score when this worker may start it, else 0.
-_CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('PSETEX', KEYS[1], ARGV[3], '1')
-return tonumber(score)
-"""
-
-
 class QueueWorker(Worker):
-    """arq's worker with a push wake-up: it blocks on its wake list between polls, so a new job
-    starts within a Redis round trip; the timeout keeps heartbeats and aborts on schedule."""
-
-    _wakeups: set[asyncio.Future[object]]
+    """arq's worker over arq's job layout, with a lean path per job. It blocks on its wake list
+    between polls: a new job's id arrives there and the job is taken (claimed, read and marked
+    running in one script) within a round trip; the timeout keeps heartbeats and aborts on
+    schedule. A job ends with one write that stores its outcome, announces it and removes it from
+    the queue. Jobs in the queue are never deferred here: every job in it is due."""
 
     async def main(self) -> None:
-        self._wakeups = set()
+        self._wakeups: set[asyncio.Future[object]] = set()
         if self._pool is None:
             self._pool = await self._connect()
-        self._claim = self.pool.register_script(_CLAIM)
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)
+        self.store: JobStore = self.ctx["store"]
         wake = keys.wake_key(self.queue_name)
+        token: bytes | None = None
+        polled_at = 0.0
         while True:
             try:
-                await self._poll_iteration()
-                # A token (or the timeout, which keeps heartbeats and aborts on schedule) ends the
-                # wait; leftover tokens only cause a cheap extra pass.
-                await self.pool.blpop([wake], timeout=self.poll_delay_s)
+                if (token not in (None, keys.WAKE_ALL) and self.job_counter < self.max_jobs
+                        and time.monotonic() - polled_at < self.poll_delay_s):
+                    await self.start_jobs([token])  # a new job's id: take just that one
+                else:
+                    await self._poll_iteration()
+                    polled_at = time.monotonic()
+                popped = await self.pool.blpop([wake], timeout=self.poll_delay_s)
+                token = popped[1] if popped else None
             except (RedisError, OSError) as exc:  # Redis restarting: keep the jobs in hand, retry
                 log.warning("queue unreachable (%r); retrying", exc)
+                token = None
                 await asyncio.sleep(0.5)
 
     async def _connect(self) -> ArqRedis:
@@ -157,32 +147,93 @@ class QueueWorker(Worker):
         return await create_pool(self.redis_settings, job_serializer=self.job_serializer,
                                  job_deserializer=self.job_deserializer, default_queue_name=self.queue_name)
 
-    async def start_jobs(self, job_ids: list[bytes]) -> None:
-        """arq's claim of each job (not already running elsewhere, due now) in one atomic script
-        instead of a WATCH/EXISTS/ZSCORE/MULTI sequence: four round trips fewer on every job."""
-        for raw_id in job_ids:
-            await self.sem.acquire()
-            if self.job_counter >= self.max_jobs:
-                self.sem.release()
-                return
-            self.job_counter += 1
-            job_id = raw_id.decode()
-            score = await self._claim(keys=[in_progress_key_prefix + job_id, self.queue_name],
-                                      args=[job_id, timestamp_ms(), int(self.in_progress_timeout_s * 1000)])
-            if not score:  # running elsewhere, finished, or moved to another queue meanwhile
-                self.job_counter -= 1
-                self.sem.release()
-                continue
-            task = self.loop.create_task(self.run_job(job_id, int(score)))
-            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
-            self.tasks[job_id] = task
+    async def _poll_iteration(self) -> None:
+        """Look at the whole queue (jobs whose wake-up was missed, moved here, or waiting for a
+        slot) and at the abort set."""
+        if self.job_counter < self.max_jobs:
+            await self.start_jobs(await self.pool.zrange(self.queue_name, 0, self.queue_read_limit - 1))
+        await self._cancel_aborted_jobs()
 
-    def _release_sem_dec_counter_on_complete(self) -> None:
-        super()._release_sem_dec_counter_on_complete()
-        # A slot freed: look at the queue now rather than at the next poll.
-        task = asyncio.ensure_future(self.pool.lpush(keys.wake_key(self.queue_name), b"1"))
-        self._wakeups.add(task)
-        task.add_done_callback(self._wakeups.discard)
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """Take each job not already running here, while slots are free."""
+        for raw_id in job_ids:
+            if self.job_counter >= self.max_jobs:
+                return  # the rest wait in the queue; a slot freeing wakes the loop
+            job_id = raw_id.decode()
+            if job_id in self.tasks:
+                continue
+            taken = await self.store.take(job_id, self.queue_name, self.ctx["worker_id"],
+                                          int(self.in_progress_timeout_s * 1000))
+            if taken is None:  # running elsewhere, finished, or moved to another queue meanwhile
+                continue
+            self.job_counter += 1
+            task = self.loop.create_task(self._execute(job_id, taken))
+            self.tasks[job_id] = self.job_tasks[job_id] = task
+            task.add_done_callback(functools.partial(self._job_done, job_id))
+
+    def _job_done(self, job_id: str, task: asyncio.Task[None]) -> None:
+        was_full = self.job_counter >= self.max_jobs
+        self.job_counter -= 1
+        self.tasks.pop(job_id, None)
+        self.job_tasks.pop(job_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("job %s: the worker failed it", job_id, exc_info=task.exception())
+        if was_full:  # jobs may be waiting for this slot: look at the queue now, not at the next poll
+            wakeup = asyncio.ensure_future(self.pool.lpush(keys.wake_key(self.queue_name), keys.WAKE_ALL))
+            self._wakeups.add(wakeup)
+            wakeup.add_done_callback(self._wakeups.discard)
+
+    async def _execute(self, job_id: str, taken: Taken) -> None:
+        """Run a taken job to its end. A shutdown leaves it in the queue to run again (here after a
+        restart, or on a live worker once this one's lease lapses); an abort or any other end is
+        stored with the job's removal from the queue."""
+        picked_at = time.time()
+        job: EvaluationJob | None = None
+        try:
+            job = self._read(job_id, taken)
+            async with asyncio.timeout(self.job_timeout_s):
+                outcome = await self._outcome(taken, job, picked_at)
+        except asyncio.CancelledError:
+            if job_id not in self.aborting_tasks:
+                with contextlib.suppress(RedisError, OSError):
+                    await asyncio.shield(self.pool.delete(in_progress_key_prefix + job_id))
+                return
+            self.aborting_tasks.discard(job_id)
+            outcome = self._ended(JobStatus.cancelled, 499, "cancelled", "the job was cancelled")
+        except TimeoutError:
+            outcome = self._ended(JobStatus.expired, 504, "timeout_error", "the job ran past the worker's limit")
+        await asyncio.shield(self.store.finish(job_id, outcome, self.queue_name))
+        if job is not None:
+            _log_job(job, outcome)  # after the answer went out: logging is not on the caller's path
+
+    def _read(self, job_id: str, taken: Taken) -> EvaluationJob | None:
+        """The job in the payload; None when it expired from the queue or cannot be read."""
+        if not taken.payload:
+            return None
+        try:
+            function, args, _, _, _ = deserialize_job_raw(taken.payload, deserializer=self.job_deserializer)
+            if function != keys.JOB_FUNCTION or len(args) != 1:
+                raise ValueError(f"not an evaluation job: {function}")
+            return EvaluationJob.model_validate(args[0])
+        except (SerializationError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            log.error("job %s: unreadable (%s)", job_id, exc)
+            return None
+
+    async def _outcome(self, taken: Taken, job: EvaluationJob | None, picked_at: float) -> JobOutcome:
+        if not taken.runnable:  # already ended (cancelled, expired) or aborted while queued
+            return self._ended(JobStatus.cancelled, 499, "cancelled", "the job ended before it started")
+        if not taken.payload:
+            return self._ended(JobStatus.expired, 504, "timeout_error", "the job expired in the queue")
+        if job is None:
+            return self._ended(JobStatus.failed, 500, "api_error", "the job record could not be read")
+        if taken.attempt > self.max_tries:
+            log.error("job %s: interrupted %d times; not run again", job.id, taken.attempt - 1)
+            return self._ended(JobStatus.failed, 500, "api_error",
+                               f"the job was interrupted {taken.attempt - 1} times; it was not run again")
+        return await evaluate(self.ctx, job, picked_at)
+
+    def _ended(self, status: JobStatus, http_status: int, error_type: str, message: str) -> JobOutcome:
+        return _failure(status, http_status, error_type, message, self.ctx["worker_id"])
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
