@@ -1,5 +1,6 @@
-"""The API's side of the queue: route a job to a worker, enqueue it, and learn of its completion
-by a pushed notice (one pub/sub subscription per process), with the job record as the truth."""
+"""The API's side of the queue: route a job to a worker and enqueue it (one script, api/dispatch.py),
+and learn of its completion by a pushed notice (one pub/sub subscription per process), with the job
+record as the truth."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from arq.constants import abort_jobs_ss, job_key_prefix
 from arq.jobs import serialize_job
 from redis.exceptions import RedisError
 
+from api.dispatch import Dispatcher
 from api.errors import NoWorker, Overloaded, QueueUnavailable
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.jobstore import JobRecord, JobStore
 from common.membership import WorkerInfo, fleet, live_workers
-from common.routing import rank_workers, round_robin, route_job
 from common.settings import RoutingPolicy
 
 log = logging.getLogger("openjev.api")
@@ -87,8 +88,7 @@ class JobQueue:
         self.redis = redis
         self.store = store
         self.waiter = waiter
-        self.load_factor = load_factor
-        self.routing = routing
+        self.dispatcher = Dispatcher(redis, load_factor, routing)
 
     async def workers(self) -> list[WorkerInfo]:
         """The live workers, or QueueUnavailable when Redis cannot be reached."""
@@ -105,80 +105,68 @@ class JobQueue:
             raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
     async def submit(self, job: EvaluationJob) -> str:
-        """Route and enqueue `job`; returns the queue it went to."""
-        live = [(w, n) for w, n in await self.fleet() if w.engine_ok]
-        if not live:
-            raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
-                           {"Retry-After": "5"})
-        workers = [w for w, _ in live]
-        lengths = {w.id: n for w, n in live}
-        try:
-            queue = self._admit(job, workers, lengths, await self._route(job, workers, lengths))
-            await self._enqueue(job, queue)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
-        return queue
-
-    async def _enqueue(self, job: EvaluationJob, queue: str) -> None:
-        """Record, enqueue and wake in one round trip. This is arq's `enqueue_job` without its
-        WATCH/EXISTS guard, which only protects caller-chosen ids; ours are fresh and random."""
+        """Route and enqueue `job` in one step (api/dispatch.py); returns the queue it went to.
+        The job is arq's, as `enqueue_job` writes it, without its WATCH/EXISTS guard (which only
+        protects caller-chosen ids; ours are fresh and random)."""
         now_ms = int(time.time() * 1000)
         # The job is already JSON-shaped: pydantic-core writes it, orjson embeds it as is.
-        record = orjson.Fragment(job.model_dump_json())
-        payload = serialize_job(keys.JOB_FUNCTION, (record,), {}, None, now_ms,
+        payload = serialize_job(keys.JOB_FUNCTION, (orjson.Fragment(job.model_dump_json()),), {}, None, now_ms,
                                 serializer=serialize)
-        expires_ms = int((max(1.0, job.remaining()) + 60) * 1000)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            self.store.stage_create(pipe, job.id, job.request_id, job.created_at, job.deadline_at, queue)
-            pipe.psetex(job_key_prefix + job.id, expires_ms, payload)
-            pipe.zadd(queue, {job.id: now_ms})
-            pipe.rpush(keys.wake_key(queue), job.id)
-            await pipe.execute()
-
-    async def _route(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int]) -> str:
-        """The worker the routing policy picks, from Redis state alone (the same in every API replica).
-        The load bound applies to jobs waiting for a slot: a worker that can start the job at once is
-        never passed over, so a lightly loaded fleet keeps every prefix on its first choice."""
-        if self.routing is RoutingPolicy.round_robin:
-            return round_robin(await self.redis.incr(keys.ROUND_ROBIN_TURN), list(lengths))
-        waiting = {w.id: max(0, lengths[w.id] - w.max_jobs) for w in workers}
-        return route_job(job.prefix_hash, waiting, self.load_factor)
-
-    def _admit(self, job: EvaluationJob, workers: list[WorkerInfo], lengths: dict[str, int], chosen: str) -> str:
-        """The queue for `job`: the `chosen` worker, or the next in its ranking that can finish it
-        before its deadline; 529 when none can (a burst waits in Redis only while it can succeed)."""
-        by_id = {w.id: w for w in workers}
+        fields, ttl = self.store.new_record(job.request_id, job.created_at, job.deadline_at)
         remaining = job.remaining()
-        candidates = [chosen, *(w for w in rank_workers(job.prefix_hash, list(by_id)) if w != chosen)]
-        for worker_id in candidates:
-            if by_id[worker_id].expected_finish(lengths[worker_id]) <= remaining:
-                return by_id[worker_id].queue
-        soonest = min(by_id[w].expected_finish(lengths[w]) for w in candidates)
+        try:
+            placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, keys.job_key(job.id), fields,
+                                                 ttl, job_key_prefix + job.id, payload)
+        except (RedisError, OSError) as exc:
+            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
+        if placed.queue is not None:
+            return placed.queue
+        if placed.no_worker:
+            raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
+                           {"Retry-After": "5"})
+        soonest = placed.soonest or 0.0
         retry = max(1, math.ceil(soonest - remaining))
         raise Overloaded(f"every worker's queue would finish this request after its deadline "
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
+    async def run(self, job: EvaluationJob, timeout: float) -> JobOutcome | None:
+        """Submit `job` and wait for its outcome; None if `timeout` seconds pass first. The notice
+        is expected before the job is enqueued, so nothing needs reading back on the way."""
+        future = self.waiter.expect(job.id)
+        try:
+            await self.submit(job)
+            return await self._outcome(job.id, future, time.monotonic() + timeout, read_first=False)
+        finally:
+            self.waiter.forget(job.id, future)
+
     async def wait(self, job_id: str, timeout: float) -> JobOutcome | None:
-        """The job's outcome once it ends, or None if `timeout` seconds pass first (or the job is
-        unknown). The pushed notice answers at once; the record is re-read now and then in case a
-        notice was missed."""
-        deadline = time.monotonic() + timeout
+        """The outcome of a job submitted earlier, once it ends; None if `timeout` seconds pass
+        first (or the job is unknown)."""
         future = self.waiter.expect(job_id)
         try:
-            while True:
+            return await self._outcome(job_id, future, time.monotonic() + timeout, read_first=True)
+        finally:
+            self.waiter.forget(job_id, future)
+
+    async def _outcome(self, job_id: str, future: asyncio.Future[bytes], deadline: float,
+                       read_first: bool) -> JobOutcome | None:
+        """The pushed notice answers at once; the record is read now and then in case a notice was
+        missed (and first, unless the job was only just submitted)."""
+        read = read_first
+        while True:
+            if read:
                 record = await self._read(job_id)
                 if record is None:
                     return None
                 if record.status.terminal:
                     return record.outcome
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                with contextlib.suppress(TimeoutError):
-                    notice = await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
-                    return JobOutcome.model_validate_json(notice)
-        finally:
-            self.waiter.forget(job_id, future)
+            read = True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                notice = await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                return JobOutcome.model_validate_json(notice)
 
     async def _read(self, job_id: str) -> JobRecord | None:
         try:

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import require_key
 from api.errors import ApiError, DeadlineExceeded, JobFailed
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ModelList, SystemOneRequest, SystemOneResponse
-from common.jobs import JobOutcome, JobStatus
+from common.jobs import EvaluationJob, JobOutcome, JobStatus
 
 router = APIRouter()
 
@@ -43,8 +43,7 @@ async def systemone(request: Request,
                                   services.settings.request_timeout)
     prepare_seconds = time.perf_counter() - started
     request.state.job_id = job.id
-    await services.queue.submit(job)
-    outcome = await _wait_unless_disconnected(request, job.id, job.remaining())
+    outcome = await _run_unless_disconnected(request, job)
     if outcome is None:
         await services.queue.cancel(job.id, JobStatus.expired, "timeout_error",
                                     "the request did not finish before its deadline", 504)
@@ -56,10 +55,10 @@ async def systemone(request: Request,
     return JSONResponse(outcome.result, headers=_result_headers(outcome, prepare_seconds))
 
 
-async def _wait_unless_disconnected(request: Request, job_id: str, timeout: float):
-    """The job's outcome; None past `timeout`. A client that hangs up cancels the job."""
+async def _run_unless_disconnected(request: Request, job: EvaluationJob):
+    """Submit the job and return its outcome; None past its deadline. A client that hangs up cancels it."""
     queue = request.app.state.services.queue
-    waiting = asyncio.create_task(queue.wait(job_id, timeout))
+    waiting = asyncio.create_task(queue.run(job, job.remaining()))
     hangup = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -69,7 +68,7 @@ async def _wait_unless_disconnected(request: Request, job_id: str, timeout: floa
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        await queue.cancel(job_id, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
+        await queue.cancel(job.id, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
         return None
     return waiting.result()
 

@@ -8,7 +8,7 @@ prefixes cached. Jobs go through the API's own code (JobPreparer + JobQueue, in 
 real worker processes, each beside its own engine.
 
     uv run --extra cpu --extra dev python -m bench.prefix_routing [--engine cpu|scripted] [--workers 4]
-        [--states 48] [--asks 4] [--turns 6] [--concurrency 1] [--worker-slots 16] [--seed 7]
+        [--states 48] [--asks 4] [--turns 6] [--options 3] [--concurrency 1] [--worker-slots 16] [--seed 7]
 
 Figures come from the workers' published counters (cached / prompt tokens over branch calls and
 over warm calls, jobs per worker), cross-checked against the engines' own /stats totals.
@@ -43,13 +43,25 @@ from openjev.embedded_redis import start_redis
 from tests.conftest import model_cache_dir, stack_env
 from tests.processes import Proc, start_cpu_engine, start_scripted_engine, start_worker
 
-QUESTIONS = {
-    "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},
-    "team": {"type": "choice", "instructions": "Which team should handle this ticket?",
-             "criteria": {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
-                          "Sales": "Pricing, upgrades"}},
-    "urgency": {"type": "score", "instructions": "How urgent is this ticket?", "criteria": ["Low", "Medium", "High"]},
-}
+TEAMS = {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
+         "Sales": "Pricing, upgrades"}
+AREAS = ["invoices", "refunds", "card payments", "outages", "single sign-on", "exports", "the public API",
+         "mobile apps", "pricing", "upgrades", "contracts", "data retention", "security reviews", "onboarding"]
+
+
+def questions(options: int) -> dict[str, dict]:
+    """The three questions every job asks; `options` > 3 gives the routing question that many
+    teams, each with a one-line remit (a long question suffix)."""
+    teams = TEAMS if options <= 3 else {
+        f"Team {i + 1}": f"Handles {AREAS[i % len(AREAS)]} and {AREAS[(i * 5 + 3) % len(AREAS)]} for "
+                         f"{['Team', 'Pro', 'Enterprise'][i % 3]} plan customers in region {i // 3 + 1}"
+        for i in range(options)}
+    return {
+        "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},
+        "team": {"type": "choice", "instructions": "Which team should handle this ticket?", "criteria": teams},
+        "urgency": {"type": "score", "instructions": "How urgent is this ticket?",
+                    "criteria": ["Low", "Medium", "High"]},
+    }
 PRODUCTS = ["the invoicing module", "the mobile app", "single sign-on", "the CSV export", "the public API",
             "the billing portal", "two-factor login", "the reporting dashboard"]
 PROBLEMS = ["charged me twice", "stopped loading after the update", "shows the wrong totals",
@@ -123,17 +135,17 @@ def engine_totals(engines: list[Proc]) -> tuple[int, int]:
 
 
 async def run_phase(redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, preparer: JobPreparer, phase: Phase,
-                    order: list[str], concurrency: int, engines: list[Proc]) -> PhaseResult:
+                    order: list[str], args: argparse.Namespace, engines: list[Proc]) -> PhaseResult:
     queue = JobQueue(redis, store, waiter, routing=phase.routing)
-    gate = asyncio.Semaphore(concurrency)
+    gate = asyncio.Semaphore(args.concurrency)
+    asked = questions(args.options)
 
     async def one(state: str) -> None:
         request = SystemOneRequest.model_validate({"model": "jev-latest", "state": f"[{phase.name}] {state}",
-                                                   "questions": QUESTIONS})
+                                                   "questions": asked})
         async with gate:
             job = preparer.prepare(request, "req_bench", 600)
-            await queue.submit(job)
-            outcome = await queue.wait(job.id, 600)
+            outcome = await queue.run(job, 600)
             assert outcome is not None and outcome.result is not None, outcome
 
     before, engines_before = await published_counters(redis), engine_totals(engines)
@@ -169,7 +181,7 @@ async def bench(args: argparse.Namespace, redis_url: str, engines: list[Proc], e
             while len(workers) < phase.workers:
                 workers.append(start_worker(log_dir, env, engines[len(workers)].url or "", f"local-{len(workers)}"))
             await wait_for_workers(redis, phase.workers)
-            results.append(await run_phase(redis, store, waiter, preparer, phase, order, args.concurrency, engines))
+            results.append(await run_phase(redis, store, waiter, preparer, phase, order, args, engines))
             print(f"{phase.name}: {results[-1].seconds:.1f} s", file=sys.stderr, flush=True)
     finally:
         await waiter.stop()
@@ -181,8 +193,9 @@ def report(results: list[PhaseResult], args: argparse.Namespace) -> list[str]:
     """Two markdown tables: hit ratios against the ideal and round robin; cost and balance."""
     ideal, rr = results[0].counters, results[-1].counters
     lines = [f"engine: {args.engine}; {args.workers} workers; {args.states} states ({args.turns} past messages "
-             f"each) × {args.asks} asks = {args.states * args.asks} jobs per phase, {len(QUESTIONS)} questions "
-             f"each; concurrency {args.concurrency}; {args.worker_slots} slots per worker; seed {args.seed}", "",
+             f"each) × {args.asks} asks = {args.states * args.asks} jobs per phase, 3 questions each "
+             f"({max(3, args.options)} options to route among); concurrency {args.concurrency}; "
+             f"{args.worker_slots} slots per worker; seed {args.seed}", "",
              "| routing | branch hit ratio | ÷ ideal | ÷ round robin | warm hit ratio | ÷ ideal | ÷ round robin "
              "| all calls |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -232,6 +245,7 @@ def main() -> int:
     parser.add_argument("--states", type=int, default=48, help="distinct states")
     parser.add_argument("--asks", type=int, default=4, help="times each state is asked")
     parser.add_argument("--turns", type=int, default=6, help="past messages in each state")
+    parser.add_argument("--options", type=int, default=3, help="options of the routing question (a long suffix)")
     parser.add_argument("--concurrency", type=int, default=1, help="jobs in flight at once")
     parser.add_argument("--worker-slots", type=int, default=16,
                         help="jobs a worker runs at once; the load bound counts only jobs waiting beyond these")

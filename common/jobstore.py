@@ -14,7 +14,6 @@ from typing import Any
 import orjson
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 
 from common import keys
 from common.jobs import JobOutcome, JobStatus
@@ -105,19 +104,16 @@ class JobStore:
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
 
-    def stage_create(self, pipe: Pipeline, job_id: str, request_id: str, created_at: float, deadline_at: float,
-                     queue: str) -> None:
-        """Add to `pipe` the commands that record a new queued job; it lives until its deadline
-        plus the result TTL."""
-        key = keys.job_key(job_id)
-        pipe.hset(key, mapping={
+    def new_record(self, request_id: str, created_at: float, deadline_at: float) -> tuple[dict[str, str], int]:
+        """The fields of a new queued job's record (its queue is added where it is placed), and
+        its ttl: it lives until its deadline plus the result TTL."""
+        fields = {
             "status": JobStatus.queued.value,
             "request_id": request_id,
             "created_at": repr(created_at),
             "deadline_at": repr(deadline_at),
-            "queue": queue,
-        })
-        pipe.expire(key, int(deadline_at - created_at) + self.result_ttl)
+        }
+        return fields, int(deadline_at - created_at) + self.result_ttl
 
     async def take(self, job_id: str, queue: str, worker_id: str, in_progress_ms: int) -> Taken | None:
         """Claim the job for `worker_id`, who serves `queue`; None when it is not in that queue any

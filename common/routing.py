@@ -1,7 +1,8 @@
 """Prefix-hash routing: rendezvous (highest-random-weight) hashing of a prefix key over the live
 workers, so the same prefix keeps landing on the GPU that has it cached, with a bound on how far
 one worker's queue may run ahead of the others. Pure functions of Redis state: every API replica
-that reads the same queue lengths makes the same choice."""
+that reads the same queue lengths makes the same choice. This is the reference; the API routes
+with the same rules inside Redis, in the step that enqueues the job (api/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ def prefix_key(prefix_ids: Sequence[int], first_k: int | None = None) -> str:
     return h.hexdigest()
 
 
-def _weight(key: str, worker_id: str) -> int:
-    digest = hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+def _weight(key: str, worker_id: str) -> str:
+    """sha1(key NUL worker id) in hex: what Redis's Lua computes too (api/dispatch.py routes there)."""
+    return hashlib.sha1(f"{key}\x00{worker_id}".encode(), usedforsecurity=False).hexdigest()
 
 
 def rank_workers(key: str, worker_ids: Sequence[str]) -> list[str]:
@@ -49,6 +50,14 @@ def route_job(key: str, queue_lengths: dict[str, int], load_factor: float = 1.25
         raise ValueError(f"load_factor must be at least 1, not {load_factor}")
     bound = load_bound(queue_lengths, load_factor)
     return next(w for w in rank_workers(key, list(queue_lengths)) if queue_lengths[w] + 1 <= bound)
+
+
+def admit(key: str, chosen: str, finish_in: dict[str, float], remaining: float) -> str | None:
+    """The worker that takes the job: `chosen` if it can finish the job within `remaining`
+    seconds, else the first in `key`'s ranking that can (`finish_in`: each live worker's expected
+    finish for a new job); None when none can (the caller answers 529)."""
+    candidates = [chosen, *(w for w in rank_workers(key, list(finish_in)) if w != chosen)]
+    return next((w for w in candidates if finish_in[w] <= remaining), None)
 
 
 def round_robin(turn: int, worker_ids: Sequence[str]) -> str:

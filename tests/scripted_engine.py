@@ -39,7 +39,7 @@ def create_app() -> FastAPI:
     live: dict[str, asyncio.Event] = {}
     received: list[str] = []  # rids in arrival order
     finished: list[str] = []  # rids answered with logprobs, in order
-    seen: list[tuple[int, ...]] = []
+    seen = PrefixTrie()
 
     @app.post("/script")
     async def set_script(body: dict[str, Any]) -> dict[str, Any]:
@@ -88,9 +88,7 @@ def create_app() -> FastAPI:
                 return JSONResponse(_meta(rid, ids, 0, None, [], {"type": "abort", "message": "aborted"}))
         finally:
             live.pop(rid, None)
-        cached = max((_common(ids, s) for s in seen), default=0)
-        cached = min(cached, len(ids) - 1)
-        seen.append(tuple(ids))
+        cached = min(seen.insert(ids), len(ids) - 1)
         stats["requests_finished"] += 1
         finished.append(rid)
         stats["prompt_tokens"] += len(ids)
@@ -103,13 +101,23 @@ def create_app() -> FastAPI:
     return app
 
 
-def _common(a: list[int], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+class PrefixTrie:
+    """Every prompt seen so far, as a token trie: like a radix cache that never evicts."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, dict] = {}
+
+    def insert(self, ids: list[int]) -> int:
+        """Add `ids`; returns how many leading tokens an earlier prompt already had."""
+        node, common = self.root, 0
+        for token in ids:
+            child = node.get(token)
+            if child is None:
+                child = node[token] = {}
+            else:
+                common += 1
+            node = child
+        return common
 
 
 def _logprob(ids: list[int], token: int) -> float:

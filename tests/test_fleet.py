@@ -165,6 +165,7 @@ def test_each_workers_cache_hits_are_published_and_match_its_engine(fleet: Fleet
     state = "Order 5521: the parcel arrived broken and I want a replacement, not a refund."
     first = fleet.ranking(state)[0]
     prefix = len(fleet.job(state).prefix_ids)
+    time.sleep(HEARTBEAT_INTERVAL + 0.5)  # so the counters read include every earlier job
     before, engine_before = fleet.live(1)[first]["counters"], fleet.engine_stats(first)
     assert [fleet.run(state, api=i) for i in (0, 1)] == [first, first]
     time.sleep(HEARTBEAT_INTERVAL + 0.5)

@@ -25,8 +25,10 @@ async def store(redis_server: str) -> AsyncIterator[JobStore]:
 
 async def create(store: JobStore, job_id: str, now: float) -> None:
     """A queued job on the dead worker's queue, as the API records and enqueues it."""
+    fields, ttl = store.new_record("req_test", now, now + 60)
     async with store.redis.pipeline(transaction=True) as pipe:
-        store.stage_create(pipe, job_id, "req_test", now, now + 60, QUEUE)
+        pipe.hset(f"openjev:job:{job_id}", mapping={**fields, "queue": QUEUE})
+        pipe.expire(f"openjev:job:{job_id}", ttl)
         pipe.set(job_key_prefix + job_id, b"payload")
         pipe.zadd(QUEUE, {job_id: int(now * 1000)})
         await pipe.execute()

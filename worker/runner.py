@@ -176,8 +176,8 @@ class QueueWorker(Worker):
         self.job_counter -= 1
         self.tasks.pop(job_id, None)
         self.job_tasks.pop(job_id, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("job %s: the worker failed it", job_id, exc_info=task.exception())
+        if not task.cancelled() and task.exception() is not None:  # its outcome could not be stored
+            log.error("job %s: not finished (%r)", job_id, task.exception())
         if was_full:  # jobs may be waiting for this slot: look at the queue now, not at the next poll
             wakeup = asyncio.ensure_future(self.pool.lpush(keys.wake_key(self.queue_name), keys.WAKE_ALL))
             self._wakeups.add(wakeup)
@@ -202,6 +202,9 @@ class QueueWorker(Worker):
             outcome = self._ended(JobStatus.cancelled, 499, "cancelled", "the job was cancelled")
         except TimeoutError:
             outcome = self._ended(JobStatus.expired, 504, "timeout_error", "the job ran past the worker's limit")
+        except Exception:  # a bug: the caller gets a 500 now rather than a 504 at its deadline
+            log.exception("job %s: the worker failed on it", job_id)
+            outcome = self._ended(JobStatus.failed, 500, "api_error", "the worker failed on this job")
         await asyncio.shield(self.store.finish(job_id, outcome, self.queue_name))
         if job is not None:
             _log_job(job, outcome)  # after the answer went out: logging is not on the caller's path
