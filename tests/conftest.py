@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
 
 from common.prompt import PromptCompiler
 from openjev.embedded_redis import start_redis
@@ -77,6 +79,15 @@ def smollm2_compiler(model_dir: Path) -> PromptCompiler:
     from common.tokenizer import load_tokenizer
 
     return PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def redis(redis_server: str) -> AsyncIterator[Redis]:
+    """An asyncio client on the module's Redis, emptied first."""
+    client = Redis.from_url(redis_server)
+    await client.flushdb()
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator
 
-import pytest_asyncio
 from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
@@ -16,14 +14,6 @@ from common import keys
 from common.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.routing import admit, prefix_key, round_robin, route_job
 from common.settings import RoutingPolicy
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def redis(redis_server: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 async def build_fleet(redis: Redis, rng: random.Random) -> tuple[dict[str, WorkerInfo], dict[str, int]]:

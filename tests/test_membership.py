@@ -4,11 +4,9 @@ publishes with its heartbeat."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-import pytest_asyncio
 from redis.asyncio import Redis
 
 from common.membership import LIVENESS_WINDOW, WorkerCounters, WorkerInfo, heartbeat, leave, live_workers
@@ -23,14 +21,6 @@ class Call:
 def info(worker_id: str, **fields: object) -> WorkerInfo:
     return WorkerInfo(id=worker_id, queue=f"q:{worker_id}", model="m", max_jobs=4, max_branches=16,
                       started_at=time.time(), **fields)
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def redis(redis_server: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 async def test_a_worker_that_stops_heartbeating_leaves_the_routing_set_after_the_liveness_window(redis: Redis) -> None:
