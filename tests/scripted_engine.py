@@ -29,6 +29,7 @@ class Script:
         self.fail_delay = 0.0  # seconds before the scripted failure is answered
         self.report_cached = True  # False imitates SGLang's Rust frontend (no cached_tokens)
         self.healthy = True
+        self.health_delay = 0.0  # seconds the health route takes to answer
 
 
 def create_app() -> FastAPI:
@@ -53,6 +54,7 @@ def create_app() -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        await asyncio.sleep(script.health_delay)
         return JSONResponse({}, status_code=200 if script.healthy else 503)
 
     @app.get("/model_info")

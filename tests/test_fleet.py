@@ -234,6 +234,31 @@ def test_a_job_running_on_a_worker_that_dies_is_answered_once_by_the_next_in_its
     fleet.restart(first)
 
 
+def test_a_worker_with_a_slow_health_route_keeps_its_lease_and_its_running_job(fleet: Fleet) -> None:
+    """Each health check takes its 5 s timeout, so heartbeats go stale; the lease is renewed on its
+    own schedule all the same, so no other worker may move the job and run it a second time."""
+    state = "Ticket 3131: the SSO login loops back to the start page for every new employee."
+    first, *others = fleet.ranking(state)
+    fleet.script(first, delay=5.0)  # warm call + branches: a job of ~10 s
+    try:
+        job_id = fleet.submit(state)
+        fleet.wait_running(job_id)
+        before = {w: fleet.engine_stats(w)["requests_received"] for w in others}
+        fleet.script(first, health_delay=5.5)
+        lease_left = []  # ms before the lease would lapse, sampled while the job runs
+        while fleet.record(job_id)["status"] == "running":
+            lease_left.append(fleet.redis.pttl(keys.lease_key(first)))
+            time.sleep(0.1)
+        fleet.script(first, health_delay=0.0)  # before a third failed check makes the worker give up
+        assert len(lease_left) > 50 and min(lease_left) > 2000, min(lease_left)
+        assert fleet.outcome(job_id)["status"] == "succeeded"
+        assert fleet.record(job_id)["worker"] == first
+        assert {w: fleet.engine_stats(w)["requests_received"] for w in others} == before  # run once, here
+    finally:
+        fleet.script(first, delay=0.0, health_delay=0.0)
+    fleet.wait_live(set(WORKER_IDS), timeout=LEAVES_WITHIN + 10)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--workers", "0"], "must be at least 1"),
     (["--workers", "2", "--connect", "http://127.0.0.1:30000"], "runs N CPU engines"),

@@ -33,6 +33,7 @@ log = logging.getLogger("openjev.worker")
 
 ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
+EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
 
 
@@ -195,8 +196,9 @@ class QueueWorker(Worker):
                 outcome = await self._outcome(taken, job, picked_at)
         except asyncio.CancelledError:
             if job_id not in self.aborting_tasks:
-                with contextlib.suppress(RedisError, OSError):
-                    await asyncio.shield(self.pool.delete(in_progress_key_prefix + job_id))
+                if self.ctx.get("exit_code") != EXIT_LEASE_LOST:  # else the claim is another worker's now
+                    with contextlib.suppress(RedisError, OSError):
+                        await asyncio.shield(self.pool.delete(in_progress_key_prefix + job_id))
                 return
             self.aborting_tasks.discard(job_id)
             outcome = self._ended(JobStatus.cancelled, 499, "cancelled", "the job was cancelled")
@@ -250,13 +252,15 @@ async def _startup(ctx: dict[str, Any]) -> None:
     info.engine_ok = await ctx["engine"].healthy()  # never announce an engine nobody has checked
     await heartbeat(redis, info)
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
+    ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    task = ctx.get("heartbeat")
-    if task:
-        task.cancel()
+    for name in ("heartbeat", "lease_keeper"):
+        task = ctx.get(name)
+        if task:
+            task.cancel()
     with contextlib.suppress(RedisError, OSError):
         # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq re-queues)
         # stay ours until the lease lapses: a restart with this id resumes them, otherwise a live
@@ -268,9 +272,26 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     await ctx["engine"].close()
 
 
+async def _hold_lease(ctx: dict[str, Any]) -> None:
+    """Renew the lease on this worker's id every heartbeat interval, on its own schedule: a slow
+    engine health check must never let it lapse while jobs run here (another worker would then
+    move them and run them a second time). Stop the worker if another process took it."""
+    while True:
+        await asyncio.sleep(HEARTBEAT_INTERVAL)
+        try:
+            await ctx["lease"].renew()
+        except LeaseLost as exc:
+            log.error("%s; worker %s stops", exc, ctx["info"].id)
+            ctx["exit_code"] = EXIT_LEASE_LOST
+            ctx["worker"].handle_sig(15)
+            return
+        except (RedisError, OSError) as exc:  # Redis blips must not kill the lease loop
+            log.warning("lease renewal failed: %r", exc)
+
+
 async def _keep_alive(ctx: dict[str, Any]) -> None:
-    """Heartbeat and keep the lease while the engine is healthy; move vanished workers' jobs;
-    stop the worker when the engine stays down or the lease is lost."""
+    """Heartbeat while the engine is healthy; move vanished workers' jobs; stop the worker when the
+    engine stays down."""
     engine: EngineClient = ctx["engine"]
     info: WorkerInfo = ctx["info"]
     failures = 0
@@ -282,15 +303,9 @@ async def _keep_alive(ctx: dict[str, Any]) -> None:
         info.engine_ok = ok
         beats += 1
         try:
-            await ctx["lease"].renew()
             await heartbeat(ctx["redis"], info)
             if ok and beats % REAP_EVERY == 0:
                 await reap_vanished_workers(ctx["redis"], ctx["store"])
-        except LeaseLost as exc:
-            log.error("%s; worker %s stops", exc, info.id)
-            ctx["exit_code"] = 4
-            ctx["worker"].handle_sig(15)
-            return
         except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
             log.warning("heartbeat failed: %r", exc)
         if failures >= ENGINE_FAILURES_BEFORE_EXIT:
