@@ -1,7 +1,8 @@
-"""Routing and enqueueing in one step, inside Redis: one script reads the fleet (fresh heartbeats,
-engine state, queue lengths), picks the worker, checks that it can finish the job before its
-deadline, and writes the job record, arq's job, the queue entry and the worker's wake-up token.
-One round trip per submit, and no two API replicas can route on the same stale queue lengths.
+"""Routing and enqueueing in one step, inside Redis: one script reads the fleet (fresh heartbeats;
+each worker's engine state, capacity and job time from its small routing hash; queue lengths),
+picks the worker, checks that it can finish the job before its deadline, and writes the job
+record, arq's job, the queue entry and the worker's wake-up token. One round trip per submit, and
+no two API replicas can route on the same stale queue lengths.
 
 The rules are those of `common/routing.py` (the reference, also used by recovery), carried out in
 Lua: rendezvous ranking by sha1(key NUL worker id), the bounded-load walk over jobs waiting for a
@@ -19,7 +20,7 @@ from common import keys
 from common.membership import LIVENESS_WINDOW
 from common.settings import RoutingPolicy
 
-# KEYS[1] workers zset. ARGV: 1 now (s), 2 liveness window (s), 3 worker key prefix, 4 policy, 5 route key,
+# KEYS[1] workers zset. ARGV: 1 now (s), 2 liveness window (s), 3 routing hash prefix, 4 policy, 5 route key,
 # 6 load factor, 7 seconds left before the deadline, 8 round robin counter key, 9 job id, 10 record key,
 # 11 record ttl (s), 12 arq job key, 13 arq payload, 14 arq job ttl (ms), 15 queue score (ms), 16 wake key
 # suffix, 17... record field/value pairs.
@@ -29,14 +30,13 @@ _SUBMIT = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local workers, weight = {}, {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')) do
-  local raw = redis.call('GET', ARGV[3] .. id)
-  if raw then
-    local w = cjson.decode(raw)
-    if w.engine_ok then
-      w.length = redis.call('ZCARD', w.queue)
-      workers[#workers + 1] = w
-      weight[w.id] = redis.sha1hex(ARGV[5] .. '\\0' .. w.id)
-    end
+  local f = redis.call('HMGET', ARGV[3] .. id, 'queue', 'engine_ok', 'max_jobs', 'running', 'avg_job_seconds')
+  if f[1] and f[2] == '1' then
+    local w = {id = id, queue = f[1], max_jobs = tonumber(f[3]), running = tonumber(f[4]),
+               avg_job_seconds = tonumber(f[5])}
+    w.length = redis.call('ZCARD', w.queue)
+    workers[#workers + 1] = w
+    weight[id] = redis.sha1hex(ARGV[5] .. '\\0' .. id)
   end
 end
 if #workers == 0 then return {'none'} end
@@ -118,7 +118,8 @@ class Dispatcher:
         now = time.time()
         fields = [item for pair in record.items() for item in pair]
         reply = await self._submit(keys=[keys.WORKERS], args=[
-            repr(now), LIVENESS_WINDOW, keys.worker_key(""), self.routing.value, route_key, repr(self.load_factor),
+            repr(now), LIVENESS_WINDOW, keys.route_info_key(""), self.routing.value, route_key,
+            repr(self.load_factor),
             repr(remaining), keys.ROUND_ROBIN_TURN, job_id, record_key, record_ttl, arq_key, arq_payload,
             int((max(1.0, remaining) + 60) * 1000), int(now * 1000), keys.wake_key(""), *fields])
         verdict = reply[0]

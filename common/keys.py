@@ -29,6 +29,12 @@ def worker_key(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
 
+def route_info_key(worker_id: str) -> str:
+    """Hash: the few fields routing reads (queue, engine_ok, max_jobs, running, avg_job_seconds),
+    written with each heartbeat so the submit script need not decode the whole description."""
+    return f"{PREFIX}routing:{worker_id}"
+
+
 def lease_key(worker_id: str) -> str:
     """Who may serve this worker id's queue right now (expires without heartbeats)."""
     return f"{PREFIX}lease:{worker_id}"

@@ -96,6 +96,10 @@ async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
     info.heartbeat_at = now
     async with redis.pipeline(transaction=True) as pipe:
         pipe.set(keys.worker_key(info.id), info.model_dump_json(), ex=int(LIVENESS_WINDOW * 2))
+        pipe.hset(keys.route_info_key(info.id), mapping={
+            "queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
+            "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)})
+        pipe.expire(keys.route_info_key(info.id), int(LIVENESS_WINDOW * 2))
         pipe.zadd(keys.WORKERS, {info.id: now})
         await pipe.execute()
 
@@ -106,7 +110,7 @@ async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> 
     async with redis.pipeline(transaction=True) as pipe:
         if not keep_membership:
             pipe.zrem(keys.WORKERS, worker_id)
-        pipe.delete(keys.worker_key(worker_id))
+        pipe.delete(keys.worker_key(worker_id), keys.route_info_key(worker_id))
         await pipe.execute()
 
 
