@@ -1,5 +1,5 @@
 """The job status record in Redis, shared by the API (creates, cancels, reads) and the workers
-(take, finish). The first terminal write wins, atomically, and announces itself on pub/sub.
+(take, finish, move). The first terminal write wins, atomically, and announces itself on pub/sub.
 
 A worker takes a job and ends it in one round trip each: `take` claims it in arq's layout (the
 in-progress key, the try counter, the abort set), reads its payload and marks the record running;
@@ -41,13 +41,23 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started_at'
 return {payload, try, 1}
 """
 
-# KEYS[1] job hash; ARGV: queue. A job moved off a vanished worker's queue is queued again, unless it
-# already ended (its worker finished it just before vanishing): a finished job is never revived.
-_REQUEUE = """
+# KEYS: job hash, the vanished worker's lease, its queue, the target queue, the job's in-progress key,
+# the target's wake list; ARGV: job id, score. Move a job off a worker that vanished, unless its id is
+# leased again (-1: a restarted worker resumes its jobs) or the job left the queue meanwhile (0). The
+# record says queued on the target before the target is woken, in the same step (1), unless the job
+# had already ended (2: its worker finished it just before vanishing; it is never revived, and the
+# target only clears it away).
+_MOVE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('DEL', KEYS[5])
 local s = redis.call('HGET', KEYS[1], 'status')
-if s ~= 'queued' and s ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', ARGV[1])
-return 1
+local requeued = s == 'queued' or s == 'running'
+if requeued then redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4]) end
+redis.call('RPUSH', KEYS[6], ARGV[1])
+if requeued then return 1 end
+return 2
 """
 
 # KEYS: job hash, done channel, then (a worker ending its job) the queue, the abort set and arq's keys
@@ -102,7 +112,7 @@ class JobStore:
         self.result_ttl = result_ttl
         self._take = redis.register_script(_TAKE)
         self._finish = redis.register_script(_FINISH)
-        self._requeue = redis.register_script(_REQUEUE)
+        self._move = redis.register_script(_MOVE)
 
     def new_record(self, request_id: str, created_at: float, deadline_at: float) -> tuple[dict[str, str], int]:
         """The fields of a new queued job's record (its queue is added where it is placed), and
@@ -138,10 +148,14 @@ class JobStore:
         )
         return bool(won)
 
-    async def requeue(self, job_id: str, queue: str) -> bool:
-        """Note that the job moved to another worker's queue (after its worker disappeared); False,
-        and nothing written, when the job already ended."""
-        return bool(await self._requeue(keys=[keys.job_key(job_id)], args=[queue]))
+    async def move(self, job_id: str, from_worker: str, to_queue: str, score: float) -> int:
+        """Move the job from vanished worker `from_worker`'s queue to `to_queue` and wake its worker:
+        1 moved and queued there, 2 moved but it had already ended, 0 no longer in the queue, -1 not
+        moved because `from_worker`'s id is leased again (its restart resumes the job)."""
+        return int(await self._move(
+            keys=[keys.job_key(job_id), keys.lease_key(from_worker), keys.queue_name(from_worker), to_queue,
+                  in_progress_key_prefix + job_id, keys.wake_key(to_queue)],
+            args=[job_id, score]))
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None if unknown or expired."""

@@ -14,6 +14,7 @@ from common.jobs import JobOutcome, JobStatus
 from common.jobstore import JobStore
 
 QUEUE = "openjev:queue:dead"
+ALIVE = "openjev:queue:alive"
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -88,9 +89,28 @@ async def test_a_job_moved_off_a_vanished_worker_is_queued_on_its_new_queue(stor
     now = time.time()
     await create(store, "job_moved", now)
     await store.take("job_moved", QUEUE, "dead", 60_000)
-    assert await store.requeue("job_moved", "openjev:queue:alive")
+    assert await store.move("job_moved", "dead", ALIVE, 1.0) == 1
     record = await store.get("job_moved")
-    assert record is not None and (record.status, record.queue) == (JobStatus.queued, "openjev:queue:alive")
+    # The record already says where the job is when its new worker is woken with its id.
+    assert record is not None and (record.status, record.queue) == (JobStatus.queued, ALIVE)
+    assert await store.redis.lrange(f"{ALIVE}:wake", 0, -1) == [b"job_moved"]
+    assert await store.redis.zscore(QUEUE, "job_moved") is None
+    assert await store.redis.zscore(ALIVE, "job_moved") == 1.0
+    taken = await store.take("job_moved", ALIVE, "alive", 60_000)  # the dead worker's claim was cleared
+    assert taken is not None and taken.runnable
+    assert await store.move("job_moved", "dead", ALIVE, 1.0) == 0  # no longer on the dead worker's queue
+
+
+async def test_a_job_is_not_moved_off_a_worker_whose_id_is_leased_again(store: JobStore) -> None:
+    await create(store, "job_resumed", time.time())
+    await store.redis.set("openjev:lease:dead", b"restarted", px=5000)
+    try:
+        assert await store.move("job_resumed", "dead", ALIVE, 1.0) == -1
+    finally:
+        await store.redis.delete("openjev:lease:dead")
+    assert await store.redis.zscore(QUEUE, "job_resumed") is not None
+    record = await store.get("job_resumed")
+    assert record is not None and record.queue == QUEUE
 
 
 async def test_a_job_that_ended_before_its_worker_vanished_is_never_revived_by_a_move(store: JobStore) -> None:
@@ -98,10 +118,8 @@ async def test_a_job_that_ended_before_its_worker_vanished_is_never_revived_by_a
     await create(store, "job_done", now)
     await store.take("job_done", QUEUE, "dead", 60_000)
     await store.finish("job_done", JobOutcome(status=JobStatus.succeeded, result={"answers": {}}, worker_id="dead"))
-    assert not await store.requeue("job_done", "openjev:queue:alive")
+    assert await store.move("job_done", "dead", ALIVE, 1.0) == 2
     record = await store.get("job_done")
-    assert record is not None and (record.status, record.queue) == (JobStatus.succeeded, "openjev:queue:dead")
-    await store.redis.zadd("openjev:queue:alive", {"job_done": 1})  # as the move does
-    await store.redis.delete(in_progress_key_prefix + "job_done")
-    taken = await store.take("job_done", "openjev:queue:alive", "alive", 60_000)
+    assert record is not None and (record.status, record.queue) == (JobStatus.succeeded, QUEUE)
+    taken = await store.take("job_done", ALIVE, "alive", 60_000)
     assert taken is not None and not taken.runnable  # so the worker it was moved to skips it

@@ -31,20 +31,6 @@ return 1
 """
 
 
-# KEYS: the victim's lease, its queue, the target queue, the job's in-progress key, the target's wake
-# list; ARGV: job id, score. Move one job and wake the target with its id, unless the victim's id is
-# leased again (a restarted worker is resuming its jobs): checked in the same step as the move, so
-# the job cannot run in both places.
-_MOVE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-redis.call('DEL', KEYS[4])
-redis.call('RPUSH', KEYS[5], ARGV[1])
-return 1
-"""
-
-
 class LeaseLost(Exception):
     """Another process holds this worker id's lease: this one must stop serving its queue."""
 
@@ -110,18 +96,15 @@ async def _move_jobs(redis: ArqRedis, store: JobStore, victim: str, live: list) 
     if not live:
         return 0  # nowhere to go; they wait (or expire by their deadline)
     queues = {w.id: w.queue for w in live}
-    move = redis.register_script(_MOVE)
     moved = 0
     for raw_id, score in entries:
         job_id = raw_id.decode()
         target = queues[rank_workers(await _prefix_hash(redis, job_id), list(queues))[0]]
-        result = await move(keys=[keys.lease_key(victim), queue, target, in_progress_key_prefix + job_id,
-                                  keys.wake_key(target)], args=[job_id, score])
+        result = await store.move(job_id, victim, target, score)
         if result == -1:
             log.info("worker %s is back; it resumes its remaining jobs", victim)
             return moved
         if result == 1:
-            await store.requeue(job_id, target)
             moved += 1
     await redis.zrem(keys.WORKERS, victim)
     if moved:
