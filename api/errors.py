@@ -51,6 +51,9 @@ class QueueUnavailable(ApiError):
     status = 503
     error_type = "unavailable_error"
 
+    def __init__(self) -> None:
+        super().__init__("the job queue is unreachable; retry shortly", {"Retry-After": "2"})
+
 
 class Overloaded(ApiError):
     status = 529
@@ -101,9 +104,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _queue_down(request: Request, exc: RedisError) -> JSONResponse:
         # Any route that reaches Redis while it restarts: a fast 503, never a 500.
-        request.state.error_type = QueueUnavailable.error_type
-        return error_response(503, QueueUnavailable.error_type, "the job queue is unreachable; retry shortly",
-                              {"Retry-After": "2"})
+        unavailable = QueueUnavailable()
+        request.state.error_type = unavailable.error_type
+        return error_response(unavailable.status, unavailable.error_type, unavailable.message, unavailable.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 
 import orjson
 from arq.connections import ArqRedis
@@ -21,7 +22,7 @@ from api.errors import NoWorker, Overloaded, QueueUnavailable
 from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.jobstore import JobRecord, JobStore
-from common.membership import WorkerInfo, fleet, live_workers
+from common.membership import WorkerInfo, fleet
 from common.settings import RoutingPolicy
 
 log = logging.getLogger("openjev.api")
@@ -90,19 +91,10 @@ class JobQueue:
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
 
-    async def workers(self) -> list[WorkerInfo]:
-        """The live workers, or QueueUnavailable when Redis cannot be reached."""
-        try:
-            return await live_workers(self.redis)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
-
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
-        try:
+        with _reachable():
             return await fleet(self.redis)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
     async def submit(self, job: EvaluationJob) -> str:
         """Route and enqueue `job` in one step (api/dispatch.py); returns the queue it went to.
@@ -114,11 +106,9 @@ class JobQueue:
                                 serializer=serialize)
         fields, ttl = self.store.new_record(job.request_id, job.created_at, job.deadline_at)
         remaining = job.remaining()
-        try:
+        with _reachable():
             placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, keys.job_key(job.id), fields,
                                                  ttl, job_key_prefix + job.id, payload)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
         if placed.queue is not None:
             return placed.queue
         if placed.no_worker:
@@ -169,16 +159,14 @@ class JobQueue:
                 return JobOutcome.model_validate_json(notice)
 
     async def _read(self, job_id: str) -> JobRecord | None:
-        try:
+        with _reachable():
             return await self.store.get(job_id)
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
 
     async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int) -> bool:
         """End the job as `status` unless it already ended, and have its worker abort it."""
         outcome = JobOutcome(status=status, error={"error_type": error_type, "message": message},
                              http_status=http_status)
-        try:
+        with _reachable():
             won = await self.store.finish(job_id, outcome)
             record = await self.store.get(job_id)
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -186,6 +174,13 @@ class JobQueue:
                 if record is not None and record.queue:
                     pipe.lpush(keys.wake_key(record.queue), keys.WAKE_ALL)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise QueueUnavailable("the job queue is unreachable; retry shortly", {"Retry-After": "2"}) from exc
         return won
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Redis errors inside become QueueUnavailable: a 503 with Retry-After."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise QueueUnavailable() from exc

@@ -24,6 +24,7 @@ from api.queue import CompletionWaiter, JobQueue
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import deserialize, serialize
 from common.jobstore import JobStore
+from common.membership import live_workers
 from common.prompt import PromptCompiler
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
@@ -81,7 +82,7 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
         stages.append((picked - submitted, outcome.finished_at - picked - t.prefill - t.branches,
                        answered - outcome.finished_at))
 
-    while not await queue.workers():
+    while not await live_workers(redis):
         await asyncio.sleep(0.2)
     for _ in range(5):  # warm both paths (connections, engine cache)
         await direct()

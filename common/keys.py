@@ -6,7 +6,7 @@ PREFIX = "openjev:"
 
 WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (epoch seconds)
 JOB_FUNCTION = "evaluate"  # the arq function name a worker registers for evaluation jobs
-DONE_CHANNEL = PREFIX + "done"  # pub/sub: a job id, published when its outcome is stored
+DONE_CHANNEL = PREFIX + "done"  # pub/sub: "<job id> <outcome JSON>", published when the outcome is stored
 ROUND_ROBIN_TURN = PREFIX + "route:turn"  # counter: the next turn under OPENJEV_ROUTING=round_robin
 
 

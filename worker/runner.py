@@ -353,6 +353,8 @@ def build_worker(settings: Settings) -> QueueWorker:
 
 
 def _job_function():
+    """The function arq's Worker insists on registering. Jobs never go through arq's run_job:
+    `QueueWorker._execute` reads each job and checks that it names this function."""
     from arq.worker import func
 
     return func(evaluate, name=keys.JOB_FUNCTION)
