@@ -28,6 +28,7 @@ cleanup() {
     cleanup_started=$(now)
     if [ -n "$dockerd_pid" ]; then
         docker ps -aq | xargs -r docker rm -f >/dev/null 2>&1 || true
+        docker network ls -q --filter type=custom | xargs -r docker network rm >/dev/null 2>&1 || true
         kill -TERM "$dockerd_pid" 2>/dev/null || true
         for _ in $(seq 150); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 0.2; done
         kill -KILL "$dockerd_pid" 2>/dev/null || true
@@ -65,7 +66,8 @@ fi
 daemon_up=$(now)
 
 # The Redis image: Debian's server binary (the redis-tools package carries it as redis-check-rdb;
-# it runs as a server when started under the name redis-server) and what ldd says it links.
+# it runs as a server when started under the name redis-server), redis-cli for health checks, and
+# what ldd says they link.
 image="openjev-ci/redis:7"
 (cd "$work" && { apt-get download -qq redis-tools libjemalloc2 liblzf1 2>/dev/null \
     || { apt-get update -qq && apt-get download -qq redis-tools libjemalloc2 liblzf1; }; })
@@ -73,10 +75,13 @@ for deb in "$work"/*.deb; do dpkg -x "$deb" "$work/debs"; done
 rootfs="$work/rootfs"
 mkdir -p "$rootfs/data" "$rootfs/tmp"
 chmod 1777 "$rootfs/tmp"
-server="$work/debs/usr/bin/redis-check-rdb"
-install -D "$server" "$rootfs/usr/local/bin/redis-server"
-for lib in $(LD_LIBRARY_PATH="$work/debs/usr/lib/x86_64-linux-gnu" ldd "$server" | grep -o '/[^ ]*'); do
-    install -D "$(readlink -f "$lib")" "$rootfs${lib#"$work/debs"}"
+install -D "$work/debs/usr/bin/redis-check-rdb" "$rootfs/usr/local/bin/redis-server"
+install -D "$work/debs/usr/bin/redis-cli" "$rootfs/usr/local/bin/redis-cli"
+for binary in redis-server redis-cli; do
+    for lib in $(LD_LIBRARY_PATH="$work/debs/usr/lib/x86_64-linux-gnu" ldd "$rootfs/usr/local/bin/$binary" \
+                 | grep -o '/[^ ]*'); do
+        install -D "$(readlink -f "$lib")" "$rootfs${lib#"$work/debs"}"
+    done
 done
 tar -C "$rootfs" -c . | docker import --change 'CMD ["redis-server", "--protected-mode", "no"]' \
     --change 'WORKDIR /data' --change 'EXPOSE 6379' - "$image" >/dev/null
