@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    redis_dir: Path | None = Field(
+        default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
+        "defaults to <cache_dir>/redis. One Redis per directory.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
 
@@ -88,6 +91,10 @@ class Settings(BaseSettings):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.redis_dir or self.cache_dir / "redis"
 
 
 @lru_cache(maxsize=1)
