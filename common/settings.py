@@ -11,8 +11,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Frontend(StrEnum):
-    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (may omit cached_tokens)
+    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (reports cached_tokens from 0.5.23)
     python = "python"  # the explicit fallback
+
+
+class SglangDevice(StrEnum):
+    cuda = "cuda"  # GPUs (production)
+    cpu = "cpu"  # SGLang's CPU engine, torch-native attention, float32 (the `sglang` test tier, laptops)
 
 
 class RoutingPolicy(StrEnum):
@@ -36,6 +41,8 @@ class Settings(BaseSettings):
     revision: str | None = None
     profile: str = "default"
     frontend: Frontend = Frontend.rust
+    sglang_device: SglangDevice = Field(
+        default=SglangDevice.cuda, description="Where a launched SGLang computes; cpu adds the CPU engine's flags.")
     tokenizer: str | None = Field(
         default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
     )
