@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
+    engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
+    engine_health_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a health probe waits; SGLang's /health may take 20 s under load.")
 
     @property
     def accepted_model_names(self) -> set[str]:
