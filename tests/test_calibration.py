@@ -79,9 +79,9 @@ def test_applying_a_temperature_is_the_softmax_of_the_logprobs_at_that_temperatu
 def test_an_unreadable_calibration_file_is_refused_with_its_path(tmp_path: Path) -> None:
     bad = tmp_path / "calibration.json"
     bad.write_text('{"temperatures": {"noul": {"temperature": -1}}}')
-    with pytest.raises(CalibrationError, match="calibration.json"):
+    with pytest.raises(CalibrationError, match=r"calibration\.json"):
         Calibration.load(bad)
-    with pytest.raises(CalibrationError, match="missing.json"):
+    with pytest.raises(CalibrationError, match=r"missing\.json"):
         Calibration.load(tmp_path / "missing.json")
 
 
