@@ -65,6 +65,14 @@ class Settings(BaseSettings):
     temperature: float = Field(default=1.0, gt=0)
     confidence: ConfidenceMode = ConfidenceMode.typesafe
 
+    # Answer quality (bench/quality.py measures both).
+    debias: bool = Field(default=False, description="Average each choice/score answer over cyclic rotations of its "
+                         "options (label-order debiasing); a request's `x_debias` overrides it.")
+    debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
+                                      "min(options, this); below the option count invariance is approximate.")
+    calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
+                                     "temperatures applied to each answer's distribution.")
+
     # Secrets: never logged.
     api_key: SecretStr | None = None
     backend_api_key: SecretStr | None = None
