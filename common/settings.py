@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     frontend: Frontend = Frontend.rust
     sglang_device: SglangDevice = Field(
         default=SglangDevice.cuda, description="Where a launched SGLang computes; cpu adds the CPU engine's flags.")
+    sglang_max_total_tokens: int | None = Field(
+        default=None, ge=16, description="A launched SGLang's KV cache pool in tokens (--max-total-tokens). Unset: "
+        "SGLang sizes it from free memory on a GPU; on the cpu device, 2 x the context length.")
     tokenizer: str | None = Field(
         default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
     )

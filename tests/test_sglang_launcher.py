@@ -84,6 +84,7 @@ def test_extra_arguments_pass_through_after_ours() -> None:
     ["--context-length=4096"],
     ["--mamba-radix-cache-strategy", "no_buffer"],
     ["--device", "cpu"],
+    ["--max-total-tokens=16384"],
 ])
 def test_extra_arguments_that_break_caching_or_shadow_settings_are_rejected(args: list[str]) -> None:
     with pytest.raises(LaunchArgumentRejected):
@@ -184,3 +185,16 @@ def test_the_cpu_device_adds_sglangs_cpu_engine_flags_and_switch() -> None:
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     gpu_argv, gpu_env = sglang_command(settings(), base_env={})
     assert "--device" not in gpu_argv and "SGLANG_USE_CPU_ENGINE" not in gpu_env
+
+
+def test_on_a_cpu_the_kv_pool_is_capped_at_two_contexts_unless_set(tmp_path: Path) -> None:
+    # Uncapped, SGLang on a CPU took 12 GB of RAM for SmolLM2's KV pool.
+    model = model_dir_with(tmp_path, SMOLLM2_CONFIG)
+    argv, _ = sglang_command(settings(model=model, sglang_device=SglangDevice.cpu))
+    assert flag(argv, "--max-total-tokens") == "16384"
+    argv, _ = sglang_command(settings(model=model, sglang_device=SglangDevice.cpu, sglang_max_total_tokens=4096))
+    assert flag(argv, "--max-total-tokens") == "4096"
+    gpu_argv, _ = sglang_command(settings())
+    assert "--max-total-tokens" not in gpu_argv  # on a GPU SGLang sizes it from free memory
+    gpu_argv, _ = sglang_command(settings(sglang_max_total_tokens=500000))
+    assert flag(gpu_argv, "--max-total-tokens") == "500000"

@@ -21,7 +21,7 @@ LAUNCH_MODULE = "sglang.launch_server"
 # Flags the launcher sets from the settings; passing them again as extra arguments would silently win.
 MANAGED_FLAGS = frozenset({
     "--model-path", "--revision", "--served-model-name", "--host", "--port", "--context-length",
-    "--mamba-radix-cache-strategy", "--enable-metrics", "--api-key", "--device",
+    "--mamba-radix-cache-strategy", "--enable-metrics", "--api-key", "--device", "--max-total-tokens",
 })
 
 # SGLang on a CPU without a GPU (OPENJEV_SGLANG_DEVICE=cpu; deploy/install_sglang_cpu.sh installs it):
@@ -30,6 +30,9 @@ MANAGED_FLAGS = frozenset({
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
              "--sleep-on-idle", "--disable-overlap-schedule")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# On a CPU SGLang would size its KV pool from the machine's free RAM (about 12 GB for SmolLM2 on a
+# 24 GB machine); by default it gets room for two full-length prompts instead.
+CPU_POOL_CONTEXTS = 2
 
 # Layer types of softmax attention; any other type in a config's `layer_types` (linear attention,
 # mamba) makes the model a hybrid whose prefix cache needs the mamba radix cache strategy.
@@ -84,11 +87,12 @@ def sglang_command(settings: Settings, python: str = "python", host: str = "127.
     extra = list(extra_args)
     check_extra_args(extra)
     facts = model_facts(settings.model, settings.revision)
+    context = context_length(settings, facts)
     argv = [python, "-m", LAUNCH_MODULE,
             "--model-path", settings.model,
             "--served-model-name", settings.served_model_name,
             "--host", host, "--port", str(port),
-            "--context-length", str(context_length(settings, facts))]
+            "--context-length", str(context)]
     if facts.hybrid:
         # Caches hybrid linear-attention state at page boundaries so a warmed prefix is reusable;
         # SGLang 0.5.23 refuses the flag for a model without such state.
@@ -96,6 +100,10 @@ def sglang_command(settings: Settings, python: str = "python", host: str = "127.
     argv.append("--enable-metrics")
     if settings.sglang_device is SglangDevice.cpu:
         argv += CPU_FLAGS
+    pool = settings.sglang_max_total_tokens or (
+        CPU_POOL_CONTEXTS * context if settings.sglang_device is SglangDevice.cpu else None)
+    if pool:
+        argv += ["--max-total-tokens", str(pool)]
     if settings.revision:
         argv += ["--revision", settings.revision]
     if settings.backend_api_key:
