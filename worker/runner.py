@@ -25,20 +25,17 @@ from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, he
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
+from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
 from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_jobs
 from worker.sglang_launcher import needs_warm_label_logprobs
 
 log = logging.getLogger("openjev.worker")
 
-ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
-
-
-class EngineDown(Exception):
-    """The engine stopped answering its health route: this worker cannot serve."""
+STORE_RETRY_DELAY = 0.5  # seconds between attempts to store an outcome while Redis is unreachable
 
 
 def default_worker_id() -> str:
@@ -207,9 +204,22 @@ class QueueWorker(Worker):
         except Exception:  # a bug: the caller gets a 500 now rather than a 504 at its deadline
             log.exception("job %s: the worker failed on it", job_id)
             outcome = self._ended(JobStatus.failed, 500, "api_error", "the worker failed on this job")
-        await asyncio.shield(self.store.finish(job_id, outcome, self.queue_name))
+        await asyncio.shield(self._store(job_id, outcome, job.deadline_at if job else time.time()))
         if job is not None:
             _log_job(job, outcome)  # after the answer went out: logging is not on the caller's path
+
+    async def _store(self, job_id: str, outcome: JobOutcome, deadline_at: float) -> None:
+        """Store the outcome, retrying while Redis restarts (its append-only file keeps the job):
+        the result is computed and its caller waits for it until the deadline."""
+        while True:
+            try:
+                await self.store.finish(job_id, outcome, self.queue_name)
+                return
+            except (RedisError, OSError) as exc:
+                if time.time() > deadline_at:
+                    raise
+                log.warning("job %s: storing its outcome failed (%r); retrying", job_id, exc)
+                await asyncio.sleep(STORE_RETRY_DELAY)
 
     def _read(self, job_id: str, taken: Taken) -> EvaluationJob | None:
         """The job in the payload; None when it expired from the queue or cannot be read."""
@@ -249,15 +259,18 @@ async def _startup(ctx: dict[str, Any]) -> None:
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
-    info.engine_ok = await ctx["engine"].healthy()  # never announce an engine nobody has checked
+    health: EngineHealth = ctx["health"]
+    await health.probe()  # never announce an engine nobody has checked
+    info.engine_ok = health.routable
     await heartbeat(redis, info)
+    ctx["health_watch"] = asyncio.create_task(health.watch())
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
     ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    for name in ("heartbeat", "lease_keeper"):
+    for name in ("heartbeat", "lease_keeper", "health_watch"):
         task = ctx.get(name)
         if task:
             task.cancel()
@@ -270,6 +283,7 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
         if not left_behind:
             await ctx["lease"].release()
     await ctx["engine"].close()
+    await ctx["health"].close()
 
 
 async def _hold_lease(ctx: dict[str, Any]) -> None:
@@ -290,25 +304,23 @@ async def _hold_lease(ctx: dict[str, Any]) -> None:
 
 
 async def _keep_alive(ctx: dict[str, Any]) -> None:
-    """Heartbeat while the engine is healthy; move vanished workers' jobs; stop the worker when the
-    engine stays down."""
-    engine: EngineClient = ctx["engine"]
+    """Heartbeat every interval with the engine's last known health (probed on its own schedule,
+    so a slow probe never delays a heartbeat); move vanished workers' jobs; stop the worker when
+    the engine is down."""
+    health: EngineHealth = ctx["health"]
     info: WorkerInfo = ctx["info"]
-    failures = 0
     beats = 0
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL)
-        ok = await engine.healthy()
-        failures = 0 if ok else failures + 1
-        info.engine_ok = ok
+        info.engine_ok = health.routable
         beats += 1
         try:
             await heartbeat(ctx["redis"], info)
-            if ok and beats % REAP_EVERY == 0:
+            if info.engine_ok and beats % REAP_EVERY == 0:
                 await reap_vanished_workers(ctx["redis"], ctx["store"])
         except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
             log.warning("heartbeat failed: %r", exc)
-        if failures >= ENGINE_FAILURES_BEFORE_EXIT:
+        if health.down.is_set():
             log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
             ctx["exit_code"] = EXIT_ENGINE_DOWN
             ctx["worker"].handle_sig(15)
@@ -326,6 +338,8 @@ def build_worker(settings: Settings) -> QueueWorker:
         "settings": settings,
         "worker_id": worker_id,
         "engine": engine,
+        "health": EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
+                                                                 timeout=settings.engine_health_timeout)),
         "slots": BranchSlots(settings.max_concurrent_branches),
         "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
                            max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
