@@ -20,6 +20,15 @@ from tests.processes import Proc, start_api, start_cpu_engine, start_scripted_en
 from tests.redis_servers import fresh_redis
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+FIGURES = pytest.StashKey[list[str]]()  # lines a test reports at the end of the run (e.g. SGLang's cold start)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    figures = config.stash.get(FIGURES, [])
+    if figures:
+        terminalreporter.section("figures")
+        for line in figures:
+            terminalreporter.write_line(line)
 
 
 def model_cache_dir() -> Path:
