@@ -38,7 +38,8 @@ def start_cpu_serve(log: Path) -> tuple[subprocess.Popen[bytes], str, float]:
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "openjev", "serve", "--port", str(port)],
                                    env={**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent),
-                                        "OPENJEV_SERVED_MODEL_NAME": CPU_MODEL_NAME},
+                                        "OPENJEV_SERVED_MODEL_NAME": CPU_MODEL_NAME,
+                                        "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis"))},
                                    stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     while True:

@@ -67,7 +67,8 @@ def start_sglang_serve(frontend: str, python: str, model_dir: Path, log_dir: Pat
     log = log_dir / f"serve-sglang-{frontend}-{time.monotonic_ns()}.log"
     env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), "OPENJEV_MODEL": str(model_dir),
            "OPENJEV_SERVED_MODEL_NAME": CPU_MODEL_NAME, "OPENJEV_FRONTEND": frontend,
-           "OPENJEV_SGLANG_DEVICE": "cpu", "OPENJEV_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT)}
+           "OPENJEV_SGLANG_DEVICE": "cpu", "OPENJEV_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT),
+           "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis"))}
     env.pop("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", None)  # /health runs its one-token generation
     started = time.monotonic()
     with log.open("wb") as handle:
