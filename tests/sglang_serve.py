@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from openjev.embedded_redis import free_port
+from openjev.embedded_redis import PASSWORD_FILE, free_port
 from tests.conftest import CPU_MODEL_NAME, model_cache_dir
 from tests.processes import alive
 
@@ -90,7 +90,9 @@ def start_sglang_serve(frontend: str, python: str, model_dir: Path, log_dir: Pat
         raise AssertionError(f"serve with SGLang not ready within {START_TIMEOUT:g} s:\n{served.output()[-6000:]}")
     served.cold_start_s = time.monotonic() - started
     served.engine_url = _logged(served, r"engine-0 ready at (http://\S+)")
-    served.redis_url = _logged(served, r"embedded Redis on (redis://\S+)")
+    # serve logs its Redis's address without the password; that is in the data directory, 0600.
+    password = (log.with_suffix(".redis") / PASSWORD_FILE).read_text().strip()
+    served.redis_url = _logged(served, r"embedded Redis on (redis://\S+)").replace("redis://", f"redis://:{password}@")
     served.descendants = _descendants(process.pid)
     return served
 
