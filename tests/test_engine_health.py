@@ -28,7 +28,11 @@ class Engine:
     def __init__(self) -> None:
         self.now = 1000.0
         self.answered_at = 0.0
-        self.health = EngineHealth("http://127.0.0.1:1", HealthPolicy(), last_answer=lambda: self.answered_at)
+        self.in_flight = False
+        self.health = EngineHealth("http://127.0.0.1:1", HealthPolicy(), last_seen_working=self.seen_working)
+
+    def seen_working(self) -> float:
+        return self.now if self.in_flight else self.answered_at
 
     def probe(self, result: Probe, takes: float = 20.0) -> Engine:
         started, self.now = self.now, self.now + takes
@@ -38,6 +42,10 @@ class Engine:
 
     def answers_a_call(self) -> Engine:
         self.answered_at = self.now
+        return self
+
+    def has_calls_in_flight(self, in_flight: bool = True) -> Engine:
+        self.in_flight = in_flight
         return self
 
 
@@ -53,6 +61,22 @@ def test_failed_probes_do_not_outweigh_calls_the_engine_keeps_answering() -> Non
         engine.probe(Probe.unhealthy).answers_a_call()
         assert engine.health.routable
     assert not engine.health.down.is_set()
+
+
+def test_one_call_in_flight_for_minutes_keeps_an_engine_with_failing_probes_routed() -> None:
+    # A 255-option prefill on SGLang on a loaded CPU: one forward pass of minutes, /health 503 throughout.
+    engine = Engine().probe(Probe.healthy).has_calls_in_flight()
+    for _ in range(20):
+        engine.probe(Probe.unhealthy)
+        assert engine.health.routable
+    engine.probe(Probe.silent, TIMEOUT)
+    assert engine.health.routable and not engine.health.down.is_set()
+    engine.has_calls_in_flight(False)  # its job's deadline ended the call: an idle engine now
+    for _ in range(4):
+        engine.probe(Probe.silent, TIMEOUT)
+    assert not engine.health.routable
+    engine.probe(Probe.silent, TIMEOUT).probe(Probe.silent, TIMEOUT)
+    assert engine.health.down.is_set()
 
 
 def test_an_engine_unresponsive_with_no_call_answered_is_taken_out_then_given_up() -> None:

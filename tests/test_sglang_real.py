@@ -27,7 +27,7 @@ from common.contract import EXAMPLE_REQUEST
 from tests.conftest import FIGURES, Stack
 from tests.sglang_serve import SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
 
-pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(2400)]
 
 ABORTED = "sglang:num_aborted_requests_total"
 WORKER_ID = "local-0"  # serve's one worker

@@ -61,6 +61,13 @@ class EngineClient:
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
         self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
+        self.in_flight = 0  # calls sent and not answered yet
+
+    @property
+    def last_seen_working(self) -> float:
+        """Monotonic time the engine was last seen working: now while calls are in flight (their
+        jobs' deadlines bound how long that lasts), else when it last answered one."""
+        return time.monotonic() if self.in_flight else self.last_answer_at
 
     async def close(self) -> None:
         for task in self._repeats:
@@ -119,12 +126,15 @@ class EngineClient:
             await self._send_abort(rid)
 
     async def _generate(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.in_flight += 1
         try:
             response = await self._http.post("/generate", json=body, timeout=max(timeout, 0.001))
         except httpx.TimeoutException as exc:
             raise TimeoutError(f"engine call {body['rid']} timed out") from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"engine unreachable: {exc!r}") from exc
+        finally:
+            self.in_flight -= 1
         if response.status_code != 200:
             message = _error_message(response)
             if _is_abort(response.status_code, message):

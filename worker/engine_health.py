@@ -1,9 +1,11 @@
 """Whether the worker's engine can serve, judged by probing its `/health` on a schedule of its own.
 SGLang's `/health` runs a one-token generation: under load it may stay silent for up to
 `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s), and then answer 503 when the scheduler produced nothing in
-that time, which on a CPU one long forward pass does. So a slow or failed probe means busy, never
-dead, while the engine keeps answering calls: only an engine that refuses connections, or one that
-stays unresponsive with no call answered for several probe timeouts, is taken out."""
+that time, which on a CPU one long forward pass does (a 255-option prefill took minutes there).
+So a slow or failed probe means busy, never dead, while the engine works on calls (answers them,
+or has them in flight, for at most their jobs' deadlines): only an engine that refuses
+connections, or one that stays unresponsive with no call in flight or answered for several probe
+timeouts, is taken out."""
 
 from __future__ import annotations
 
@@ -34,25 +36,25 @@ class HealthPolicy:
 
     interval: float = 2.0  # seconds from the end of one probe to the start of the next
     timeout: float = 30.0  # seconds a probe waits: above SGLang's own 20 s health check limit
-    out_after_timeouts: float = 2.0  # unresponsive this many probe timeouts, no call answered: out of routing
+    out_after_timeouts: float = 2.0  # unresponsive this many probe timeouts with no call worked on: out
     down_after_timeouts: float = 6.0  # ... this many: the engine is hung, given up
     refusals_before_down: int = 3  # consecutive refused connections before a dead engine is given up
 
 
 class EngineHealth:
     """The engine's health as last probed. `routable` says whether jobs should be routed to this
-    worker; `down` is set once the engine is dead or hung. `last_answer` gives the monotonic time
-    of the engine's last answered call (progress that a failed probe cannot outweigh)."""
+    worker; `down` is set once the engine is dead or hung. `last_seen_working` gives the monotonic
+    time the engine was last seen working on calls (which a failed probe cannot outweigh)."""
 
     def __init__(self, base_url: str, policy: HealthPolicy | None = None,
-                 last_answer: Callable[[], float] = lambda: 0.0) -> None:
+                 last_seen_working: Callable[[], float] = lambda: 0.0) -> None:
         self.policy = policy or HealthPolicy()
         # Its own connection: a probe never waits for a pooled connection behind the job's calls.
         self._http = httpx.AsyncClient(base_url=base_url, timeout=self.policy.timeout)
-        self._last_answer = last_answer
+        self._last_seen_working = last_seen_working
         self.routable = True
         self.down = asyncio.Event()
-        self._unresponsive_since: float | None = None  # start of the probes failing with no call answered
+        self._unresponsive_since: float | None = None  # start of the probes failing with the engine idle
         self._refusals = 0  # consecutive
         self._refused = False  # a refusal since the last healthy probe: out until healthy again
 
@@ -76,8 +78,8 @@ class EngineHealth:
             self._unresponsive_since, self._refusals, self._refused = None, 0, False
             self.routable = True
             return
-        if self._unresponsive_since is None or self._last_answer() > self._unresponsive_since:
-            self._unresponsive_since = started  # answers came meanwhile: busy so far, count from here
+        if self._unresponsive_since is None or self._last_seen_working() > self._unresponsive_since:
+            self._unresponsive_since = started  # it worked on calls meanwhile: busy so far, count from here
         self._refusals = self._refusals + 1 if result is Probe.refused else 0
         self._refused = self._refused or result is Probe.refused
         unresponsive = now - self._unresponsive_since

@@ -340,7 +340,7 @@ def build_worker(settings: Settings) -> QueueWorker:
         "engine": engine,
         "health": EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
                                                                  timeout=settings.engine_health_timeout),
-                               last_answer=lambda: engine.last_answer_at),
+                               last_seen_working=lambda: engine.last_seen_working),
         "slots": BranchSlots(settings.max_concurrent_branches),
         "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
                            max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
