@@ -25,7 +25,7 @@ import redis
 from common import keys
 from common.contract import EXAMPLE_REQUEST
 from tests.conftest import FIGURES, Stack
-from tests.sglang_serve import SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
+from tests.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(2400)]
 
@@ -54,7 +54,7 @@ def body(state: str, questions: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def test_the_readme_example_is_answered_with_every_type_and_the_cpu_engines_numbers(
-        sglang: SglangServe, cpu_stack: Stack) -> None:
+        request: pytest.FixtureRequest, sglang: SglangServe, cpu_stack: Stack) -> None:
     response = sglang.post(EXAMPLE_REQUEST)
     assert response.status_code == 200, response.text
     answers = response.json()["answers"]
@@ -66,6 +66,22 @@ def test_the_readme_example_is_answered_with_every_type_and_the_cpu_engines_numb
     assert reference.status_code == 200, reference.text
     for name, answer in reference.json()["answers"].items():
         assert numbers(answers[name]) == pytest.approx(numbers(answer), abs=1e-4), name
+    record_latencies(request, sglang, cpu_stack)
+
+
+def record_latencies(request: pytest.FixtureRequest, sglang: SglangServe, cpu_stack: Stack, rounds: int = 3) -> None:
+    """The README example's latency on both engines, alternating, for the run's figures (not asserted)."""
+    seconds: dict[str, list[float]] = {"sglang": [], "cpu engine": []}
+    for i in range(rounds):
+        for name in (["sglang", "cpu engine"] if i % 2 == 0 else ["cpu engine", "sglang"]):
+            started = time.perf_counter()
+            post = sglang.post if name == "sglang" else cpu_stack.post
+            assert post(EXAMPLE_REQUEST, timeout=REQUEST_TIMEOUT).status_code == 200
+            seconds[name].append(time.perf_counter() - started)
+    medians = {name: sorted(values)[len(values) // 2] * 1000 for name, values in seconds.items()}
+    request.config.stash.setdefault(FIGURES, []).append(
+        f"README example, median of {rounds}: SGLang {sglang.frontend} {medians['sglang']:.0f} ms, "
+        f"CPU engine {medians['cpu engine']:.0f} ms (ratio {medians['sglang'] / medians['cpu engine']:.2f})")
 
 
 def test_a_choice_among_255_options_gets_a_distribution_over_all_of_them(sglang: SglangServe) -> None:
