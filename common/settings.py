@@ -71,6 +71,14 @@ class Settings(BaseSettings):
     temperature: float = Field(default=1.0, gt=0)
     confidence: ConfidenceMode = ConfidenceMode.typesafe
 
+    # Answer quality (bench/quality.py measures both).
+    debias: bool = Field(default=False, description="Average each choice/score answer over cyclic rotations of its "
+                         "options (label-order debiasing); a request's `x_debias` overrides it.")
+    debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
+                                      "min(options, this); below the option count invariance is approximate.")
+    calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
+                                     "temperatures applied to each answer's distribution.")
+
     # Secrets: never logged.
     api_key: SecretStr | None = None
     backend_api_key: SecretStr | None = None
@@ -93,6 +101,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
+    engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
+    engine_health_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a health probe waits; SGLang's /health may take 20 s under load.")
 
     @field_validator("model_aliases", mode="before")
     @classmethod

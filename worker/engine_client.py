@@ -84,14 +84,6 @@ class EngineClient:
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post("/abort_request", json={"rid": rid}, timeout=5.0)
 
-    async def healthy(self, timeout: float = 5.0) -> bool:
-        """Whether the engine answers its health route."""
-        try:
-            response = await self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
     async def _generate(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             response = await self._http.post("/generate", json=body, timeout=max(timeout, 0.001))
