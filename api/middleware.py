@@ -122,7 +122,10 @@ class BodyGate:
             await send_json(send, 400, error_body("invalid_request_error", str(exc)))
             return
         except BodyRejected as exc:
-            await send_json(send, exc.status, orjson.dumps({"detail": [
+            if exc.status != 422:  # bytes that are not text at all: an encoding error, not a field's
+                await send_json(send, exc.status, error_body("invalid_request_error", exc.message))
+                return
+            await send_json(send, 422, orjson.dumps({"detail": [
                 {"loc": ["body", *exc.loc], "msg": exc.message, "type": exc.kind}]}))
             return
         scope["headers"] = [(k, v) for k, v in scope["headers"]

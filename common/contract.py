@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
 from typing_extensions import TypeAliasType
 
 JSON = Any
@@ -106,7 +106,7 @@ class SystemOneRequest(_Lenient):
     model: str = Field(examples=["jev-latest"])
     state: State
     questions: dict[str, Question] = Field(min_length=1)
-    x_debias: bool | None = Field(
+    x_debias: StrictBool | None = Field(
         default=None, description="openjev: average each choice/score answer over cyclic rotations of its options "
         "(label-order debiasing; costs one branch per rotation). Omitted: the server's `OPENJEV_DEBIAS`.")
 
