@@ -45,7 +45,8 @@ def descendants(pid: int) -> set[int]:
 
 
 def start_serve(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    full_env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), **(env or {})}
+    full_env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent),
+                "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis")), **(env or {})}
     with log.open("wb") as handle:
         return subprocess.Popen([sys.executable, "-m", "openjev", "serve", *args], stdout=handle,
                                 stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
