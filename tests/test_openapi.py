@@ -83,3 +83,15 @@ def test_readme_documents_every_setting_exactly_once() -> None:
     documented = [name for row in rows for name in re.findall(r"`(OPENJEV_[A-Z0-9_]+)`", row.split("|")[1])]
     settings = sorted(f"OPENJEV_{name.upper()}" for name in Settings.model_fields)
     assert sorted(documented) == settings
+
+
+def test_api_help_names_the_front_door_settings_it_enforces() -> None:
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "openjev", "api", "--help"], capture_output=True, text=True,
+                           check=True).stdout
+    names = ("max_header_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_connections")
+    for name in names:
+        assert name in Settings.model_fields
+        assert f"OPENJEV_{name.upper()}" in " ".join(shown.split()), name
