@@ -12,8 +12,9 @@
 # Responses may take up to 60 s (schemathesis' default is 10): a job-status GET may wait up to 30 s
 # by request, and the CPU engine is slow on a busy machine (README "Client timeouts").
 #
-# The served limits are small (4 questions, 8 options) so that a generated request stays a short job
-# on the CPU engine; the schema declares them, so nothing valid is refused.
+# The served limits are small (3 questions, 6 options, 2 debiasing rotations) so that a generated
+# request stays a short job on the CPU engine and fuzzed async jobs do not pile up into 529s; the
+# schema declares the limits, so nothing valid is refused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +35,7 @@ trap stop_serve EXIT
 fuzz() {  # fuzz NAME [API_KEY]
     local name="$1" key="${2:-}" port excluded=use_after_free
     port="$(uv run --extra cpu --extra dev python -c 'from openjev.embedded_redis import free_port; print(free_port())')"
-    local vars=(OPENJEV_MAX_QUESTIONS=4 OPENJEV_MAX_OPTIONS=8)
+    local vars=(OPENJEV_MAX_QUESTIONS=3 OPENJEV_MAX_OPTIONS=6 OPENJEV_DEBIAS_MAX_ROTATIONS=2)
     [ -n "$key" ] && vars+=(OPENJEV_API_KEY="$key")
     env "${vars[@]}" uv run --extra cpu --extra dev openjev serve --port "$port" >"$WORK/serve-$name.log" 2>&1 &
     SERVE_PID=$!
