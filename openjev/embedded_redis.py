@@ -101,9 +101,10 @@ class RedisServer:
         """Launch redis-server (without waiting for it to load its data); the password goes in on stdin."""
         if self._lock_fd is None:
             self._lock_fd = _lock(self.data_dir)
-        argv = [str(find_redis_server()), "-", "--port", str(self.port), "--bind", "127.0.0.1",
+        # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
+        argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
-                "--logfile", str(self.data_dir / LOG_FILE), "--loglevel", "warning"]
+                "--logfile", str(self.data_dir / LOG_FILE), "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                    pass_fds=(self._lock_fd,))
