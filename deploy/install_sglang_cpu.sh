@@ -17,7 +17,8 @@ TORCH_VERSION=2.13.0+cpu
 VENV=$(realpath -m "${1:-.cache/sglang-venv}")
 DONE="$VENV/.openjev-sglang-$SGLANG_VERSION"
 
-if [ -f "$DONE" ] && "$VENV/bin/python" -c "import sglang" 2>/dev/null; then
+# Reads the installed version's metadata only: importing sglang would load torch (slow).
+if [ -f "$DONE" ] && "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'" 2>/dev/null; then
     echo "SGLang $SGLANG_VERSION already installed in $VENV" >&2
     exit 0
 fi
