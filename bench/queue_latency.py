@@ -23,9 +23,9 @@ from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import deserialize, serialize
-from common.jobstore import JobStore
-from common.membership import live_workers
 from common.prompt import PromptCompiler
+from common.queue.membership import live_workers
+from common.queue.records import JobStore
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
 from openjev.embedded_redis import start_redis

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
+    worker_poll_delay: float = Field(
+        default=0.005, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
+        "(arq's poll_delay): half of it is the mean wait before a new job starts; see bench/RESULTS.md for its cost.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
@@ -84,6 +87,11 @@ class Settings(BaseSettings):
     @property
     def accepted_model_names(self) -> set[str]:
         return {self.served_model_name, *self.model_aliases}
+
+    @property
+    def longest_job_seconds(self) -> float:
+        """No job, sync or async, can live longer than this from submission to deadline."""
+        return max(self.request_timeout, self.job_timeout)
 
     @property
     def tokenizer_source(self) -> str:

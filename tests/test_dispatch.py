@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 import time
 
+from api.dispatch import Dispatcher, Placement
 from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
-from api.dispatch import Dispatcher, Placement
-from common import keys
-from common.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
+from common.queue import keys
+from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.routing import admit, prefix_key, round_robin, route_job
 from common.settings import RoutingPolicy
 

@@ -19,11 +19,11 @@ import pytest
 import redis
 
 from api.preparation import JobPreparer
-from common import keys
 from common.contract import SystemOneRequest
 from common.jobs import EvaluationJob
-from common.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
 from common.prompt import PromptCompiler
+from common.queue import keys
+from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
 from common.routing import rank_workers
 from common.settings import Settings
 from tests.conftest import stack_env

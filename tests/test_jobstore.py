@@ -11,7 +11,7 @@ from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix,
 from redis.asyncio import Redis
 
 from common.jobs import JobOutcome, JobStatus
-from common.jobstore import JobStore
+from common.queue.records import JobStore
 
 QUEUE = "openjev:queue:dead"
 ALIVE = "openjev:queue:alive"

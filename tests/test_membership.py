@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from redis.asyncio import Redis
 
-from common.membership import LIVENESS_WINDOW, WorkerCounters, WorkerInfo, heartbeat, leave, live_workers
+from common.queue.membership import LIVENESS_WINDOW, WorkerCounters, WorkerInfo, heartbeat, leave, live_workers
 
 
 @dataclass(frozen=True)

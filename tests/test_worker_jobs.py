@@ -15,10 +15,10 @@ from arq.jobs import serialize_job
 from redis import Redis
 
 from api.preparation import JobPreparer
-from common import keys
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import EvaluationJob, JobStatus, serialize
 from common.prompt import PromptCompiler
+from common.queue import keys
 from common.settings import Settings
 from tests.conftest import Stack, isolated_scripted_stack
 
