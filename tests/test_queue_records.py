@@ -56,9 +56,13 @@ async def test_only_the_current_placement_starts_and_stores_once_and_announces_i
         await pubsub.get_message(timeout=1)
         assert await store.store("job_a.2", DONE, time.monotonic() + 5) is False
         assert await store.store("job_a.1", DONE, time.monotonic() + 5) is True
-        assert await store.store("job_a.1", DONE, time.monotonic() + 5) is False  # once
+        failed = JobOutcome(status=JobStatus.failed, http_status=502)
+        assert await store.store("job_a.1", failed, time.monotonic() + 5) is True  # a retry finds its own store
         notice = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5) is None  # announced once
     assert notice is not None and notice["data"] == b"job_a succeeded"  # id and status, not the result
+    record = await store.get("job_a")
+    assert record is not None and record.status is JobStatus.succeeded  # stored once
     assert await store.start("job_a.1", "w1") is None  # ended: never run again
     assert 590 <= await redis.ttl(keys.job_key("job_a")) <= 600
 

@@ -18,7 +18,11 @@ from arq.connections import RedisSettings
 from arq.worker import func
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.queue import keys
@@ -39,6 +43,7 @@ EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answeri
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
 MAX_ATTEMPTS = 3  # a job interrupted this many times (its worker died under it) is not run again
+REDIS_RETRIES = 3600  # ~an hour of 1 s backoffs: a worker waits out a Redis restart rather than exiting
 STORE_GRACE = 30.0  # seconds past a job's deadline its outcome store keeps retrying through Redis errors
 
 
@@ -232,7 +237,7 @@ def build_worker(settings: Settings) -> Worker:
     worker = Worker(
         functions=[func(evaluate, name=keys.JOB_FUNCTION)],
         queue_name=queue,
-        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        redis_settings=_redis_settings(settings.redis_url),
         max_jobs=settings.max_concurrent_requests,
         job_timeout=settings.longest_job_seconds + 30,  # a backstop: each job ends itself at its deadline
         keep_result=0,  # the outcome lives in the job record, not in arq's result key
@@ -249,6 +254,15 @@ def build_worker(settings: Settings) -> Worker:
     )
     ctx["worker"] = worker
     return worker
+
+
+def _redis_settings(url: str) -> RedisSettings:
+    """arq's connection settings, with retries that outlast a Redis restart: arq's poll loop ends on
+    the first error it sees, so every command waits (backing off to 1 s) until Redis answers again."""
+    redis_settings = RedisSettings.from_dsn(url)
+    redis_settings.retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=REDIS_RETRIES)
+    redis_settings.retry_on_error = [RedisConnectionError, RedisTimeoutError, OSError]
+    return redis_settings
 
 
 def run_worker(settings: Settings) -> int:

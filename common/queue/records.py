@@ -38,11 +38,13 @@ return {f[3], f[4], tostring(now)}
 """
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
-# by the job's current placement and only once: 1 stored, 0 refused (ended already, or moved).
+# by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
+# store), 0 refused (ended already, or moved).
 _STORE = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by')
+if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
 redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
 redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
 return 1
