@@ -36,8 +36,10 @@ class Branch(BaseModel):
     kind: Literal["noul", "choice", "score"]
     suffix_ids: list[int]
     label_ids: list[int]
-    option_names: list[str]  # answer keys, in label order
+    option_names: list[str]  # answer keys, in request order
     legend: list[Any] | None = None  # score levels, echoed unchanged
+    option_order: list[int] | None = None  # a debiasing rotation: the option at each label (None: label i = option i)
+    calibrated_temperature: float = 1.0  # the fitted temperature (OPENJEV_CALIBRATION) for this question
 
 
 class EvaluationJob(BaseModel):

@@ -112,6 +112,11 @@ class Supervisor:
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
             env.setdefault("OPENJEV_SERVED_MODEL_NAME", CPU_MODEL_NAME)
+        if self.options.sglang_python:
+            from worker.sglang_launcher import context_length
+
+            # The API refuses what this SGLang would: its context is the model's own when that is shorter.
+            env["OPENJEV_MAX_INPUT_TOKENS"] = str(context_length(self.settings))
         if self.options.sglang_python and not self.settings.sglang_version:
             from worker.sglang_launcher import installed_sglang_version
 
