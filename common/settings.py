@@ -99,6 +99,9 @@ class Settings(BaseSettings):
         default=0.005, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
         "(arq's poll_delay): half of it is the mean wait before a new job starts; see bench/RESULTS.md for its cost.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    redis_dir: Path | None = Field(
+        default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
+        "defaults to <cache_dir>/redis. One Redis per directory.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
     engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
@@ -117,6 +120,10 @@ class Settings(BaseSettings):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.redis_dir or self.cache_dir / "redis"
 
 
 @lru_cache(maxsize=1)

@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="N worker + CPU engine pairs (ids local-0..N-1): a local stand-in for N GPUs, "
                             "jobs routed by prefix hash (default 1)")
     serve.add_argument("--shared-redis", action="store_true",
-                       help="use the Redis at OPENJEV_REDIS_URL, shared with other serve instances, "
-                            "instead of starting an embedded one")
+                       help="use the Redis at OPENJEV_REDIS_URL (redis://:PASSWORD@host:port/0; it must require "
+                            "a password), shared with other serve instances, instead of starting an embedded one "
+                            "(which persists in OPENJEV_REDIS_DIR, default <cache dir>/redis)")
     serve.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_ARG",
                        help="after --, extra arguments passed through to SGLang (with --sglang-python)")
     serve.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)

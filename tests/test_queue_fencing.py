@@ -18,9 +18,9 @@ import redis
 
 from common.queue import keys
 from common.queue.membership import LIVENESS_WINDOW
-from openjev.embedded_redis import start_redis
 from tests.conftest import Stack, build_stack
 from tests.processes import start_scripted_engine, start_worker
+from tests.redis_servers import fresh_redis
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration
@@ -31,14 +31,12 @@ PAUSE = 12.0  # seconds: more than twice the lease, so the live worker surely mo
 
 @pytest.fixture
 def fenced_stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
-    process, redis_url = start_redis()
-    stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, OPENJEV_JOB_TIMEOUT="120")
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        process.terminate()
-        process.wait(10)
+    with fresh_redis() as redis_url:
+        stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, OPENJEV_JOB_TIMEOUT="120")
+        try:
+            yield stack
+        finally:
+            stack.stop()
 
 
 class Notices:
