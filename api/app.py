@@ -10,17 +10,19 @@ from dataclasses import dataclass
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from fastapi import FastAPI
 
+from api.auth import KeyGate
 from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.jobs import router as jobs_router
 from api.metrics import ApiMetrics
 from api.middleware import BodyGate, RequestContext
+from api.openapi import install_openapi
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from api.routes import router
 from common.jobs import deserialize, serialize
-from common.jobstore import JobStore
 from common.prompt import PromptCompiler
+from common.queue.records import JobStore
 from common.settings import Settings
 
 DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
@@ -58,7 +60,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         redis = await create_pool(_redis_settings(settings), job_serializer=serialize, job_deserializer=deserialize)
         waiter = CompletionWaiter(redis)
         await waiter.start()
-        store = JobStore(redis, settings.job_result_ttl)
+        store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
         app.state.services = Services(
             settings=settings,
             preparer=preparer or build_preparer(settings),
@@ -80,7 +82,10 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
     app.include_router(router)
     app.include_router(jobs_router)
     install_docs(app)
-    app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes)
+    install_openapi(app, settings)
+    # Outermost first: the request id, then the key (before any body is read), then the body gate.
+    app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    app.add_middleware(KeyGate, key=settings.api_key)
     app.add_middleware(RequestContext)
     return app
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,7 @@ class EngineClient:
         )
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
+        self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
 
     async def close(self) -> None:
         for task in self._repeats:
@@ -128,6 +130,7 @@ class EngineClient:
             if _is_abort(response.status_code, message):
                 raise EngineAborted(f"engine aborted {body['rid']}: {message}")
             raise EngineError(f"engine answered {response.status_code}: {message}")
+        self.last_answer_at = time.monotonic()
         try:
             meta = response.json()["meta_info"]
         except (ValueError, KeyError, TypeError) as exc:
