@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
+    branch_batch_size: int = Field(
+        default=64, ge=1, description="The most branches a worker sends in one batched /generate call (SGLang's "
+        "list form); 1 sends one call per branch.")
+    engine_max_answer_bytes: int = Field(
+        default=1024 * 1024, ge=4096, description="The most response bytes the worker reads per prompt of an "
+        "engine call; a bigger answer fails the job with 502 engine_error.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
 
     @property
