@@ -86,6 +86,9 @@ class Settings(BaseSettings):
         default=1024 * 1024, ge=4096, description="The most response bytes the worker reads per prompt of an "
         "engine call; a bigger answer fails the job with 502 engine_error.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
+    engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
+    engine_health_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a health probe waits; SGLang's /health may take 20 s under load.")
 
     @property
     def accepted_model_names(self) -> set[str]:

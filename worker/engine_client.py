@@ -142,14 +142,6 @@ class EngineClient:
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post("/abort_request", json={"rid": rid}, timeout=5.0)
 
-    async def healthy(self, timeout: float = 5.0) -> bool:
-        """Whether the engine answers its health route."""
-        try:
-            response = await self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
     async def _generate(self, body: bytes, rid: str, prompts: int, timeout: float) -> Any:
         """POST /generate and return its decoded JSON, read no further than the answer bound."""
         limit = prompts * self.max_answer_bytes

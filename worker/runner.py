@@ -25,20 +25,16 @@ from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, he
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
+from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
 from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_jobs
 from worker.sglang_launcher import needs_warm_label_logprobs
 
 log = logging.getLogger("openjev.worker")
 
-ENGINE_FAILURES_BEFORE_EXIT = 3  # consecutive failed health checks before the worker gives up
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
-
-
-class EngineDown(Exception):
-    """The engine stopped answering its health route: this worker cannot serve."""
 
 
 def default_worker_id() -> str:
@@ -251,15 +247,18 @@ async def _startup(ctx: dict[str, Any]) -> None:
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
-    info.engine_ok = await ctx["engine"].healthy()  # never announce an engine nobody has checked
+    health: EngineHealth = ctx["health"]
+    await health.probe()  # never announce an engine nobody has checked
+    info.engine_ok = health.routable
     await heartbeat(redis, info)
+    ctx["health_watch"] = asyncio.create_task(health.watch())
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
     ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    for name in ("heartbeat", "lease_keeper"):
+    for name in ("heartbeat", "lease_keeper", "health_watch"):
         task = ctx.get(name)
         if task:
             task.cancel()
@@ -272,6 +271,7 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
         if not left_behind:
             await ctx["lease"].release()
     await ctx["engine"].close()
+    await ctx["health"].close()
 
 
 async def _hold_lease(ctx: dict[str, Any]) -> None:
@@ -292,25 +292,23 @@ async def _hold_lease(ctx: dict[str, Any]) -> None:
 
 
 async def _keep_alive(ctx: dict[str, Any]) -> None:
-    """Heartbeat while the engine is healthy; move vanished workers' jobs; stop the worker when the
-    engine stays down."""
-    engine: EngineClient = ctx["engine"]
+    """Heartbeat every interval with the engine's last known health (probed on its own schedule,
+    so a slow probe never delays a heartbeat); move vanished workers' jobs; stop the worker when
+    the engine is down."""
+    health: EngineHealth = ctx["health"]
     info: WorkerInfo = ctx["info"]
-    failures = 0
     beats = 0
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL)
-        ok = await engine.healthy()
-        failures = 0 if ok else failures + 1
-        info.engine_ok = ok
+        info.engine_ok = health.routable
         beats += 1
         try:
             await heartbeat(ctx["redis"], info)
-            if ok and beats % REAP_EVERY == 0:
+            if info.engine_ok and beats % REAP_EVERY == 0:
                 await reap_vanished_workers(ctx["redis"], ctx["store"])
         except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
             log.warning("heartbeat failed: %r", exc)
-        if failures >= ENGINE_FAILURES_BEFORE_EXIT:
+        if health.down.is_set():
             log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
             ctx["exit_code"] = EXIT_ENGINE_DOWN
             ctx["worker"].handle_sig(15)
@@ -329,6 +327,8 @@ def build_worker(settings: Settings) -> QueueWorker:
         "settings": settings,
         "worker_id": worker_id,
         "engine": engine,
+        "health": EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
+                                                                 timeout=settings.engine_health_timeout)),
         "slots": BranchSlots(settings.max_concurrent_branches),
         "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
                            max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
