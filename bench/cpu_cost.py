@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASELINE = "3c3aab0"  # main before batched branch calls (2026-12-01)
 TICKS = os.sysconf("SC_CLK_TCK")
 MEASURED = ("api", "worker", "redis")
+RETRIES_503 = 20
+retried_503: dict[str, int] = {}  # per stack URL: requests answered 503 and sent again
 
 
 @dataclass
@@ -159,7 +161,14 @@ async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
 
         async def caller() -> None:
             for _ in remaining:
-                response = await client.post("/v1/systemone", json=body)
+                for _attempt in range(RETRIES_503):
+                    response = await client.post("/v1/systemone", json=body)
+                    if response.status_code != 503:
+                        break
+                    # On an overloaded machine the baseline's worker may miss a heartbeat while its
+                    # engine health check waits (fixed since); retry rather than abort the run.
+                    retried_503[url] = retried_503.get(url, 0) + 1
+                    await asyncio.sleep(0.5)
                 if response.status_code != 200:
                     raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
 
@@ -202,16 +211,16 @@ def scenarios(model_dir: Path, quick: bool) -> list[Scenario]:
     scale = 0.25 if quick else 1.0
 
     def n(count: int) -> int:
-        return max(16, int(count * scale))
+        return max(8, int(count * scale))
 
     example = dict(EXAMPLE_REQUEST)
     found = [Scenario(f"README example, c={c}", example, c, n(count), len(example["questions"]))
-             for c, count in ((1, 150), (16, 400), (64, 640))]
-    for questions, count in ((1, 400), (4, 320), (16, 160), (64, 64)):
+             for c, count in ((1, 48), (16, 128), (64, 192))]
+    for questions, count in ((1, 128), (4, 96), (16, 64), (64, 32)):
         body = {"model": "jev-latest", "state": "I was charged twice for one order.",
                 "questions": noul_questions(questions)}
         found.append(Scenario(f"{questions} questions, c=16", body, 16, n(count), questions))
-    for tokens, count in ((100, 320), (1000, 240), (8000, 96)):
+    for tokens, count in ((100, 96), (1000, 80), (8000, 48)):
         body = {"model": "jev-latest", "state": state_of(tokens, model_dir), "questions": example["questions"]}
         found.append(Scenario(f"{tokens}-token state, c=16", body, 16, n(count), len(example["questions"]),
                               tokens))
@@ -299,6 +308,8 @@ def main() -> int:
             for stack in order:
                 idle[stack.name].append(idle_ms_per_second(stack, args.idle_seconds))
         print(f"{args.rounds} rounds; scripted engine (not measured); logs in {log_dir}")
+        for stack in stacks:
+            print(f"{stack.name}: {retried_503.get(stack.url, 0)} requests answered 503 and sent again")
         print("\n".join(report(stacks, results, found, idle)))
     return 0
 
