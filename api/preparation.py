@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from api.errors import UnknownModel, invalid
+from common.calibration import Calibration
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
 from common.jobs import Branch, EvaluationJob, new_job_id
 from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
@@ -17,8 +18,10 @@ class JobPreparer:
     """Checks a request against the limits in force and compiles it into a job record."""
 
     def __init__(self, settings: Settings, compiler: PromptCompiler) -> None:
+        """Reads the calibration file named by the settings, if any (CalibrationError if unusable)."""
         self.settings = settings
         self.compiler = compiler
+        self.calibration = Calibration.load(settings.calibration) if settings.calibration else Calibration()
 
     @property
     def max_options(self) -> int:
@@ -41,26 +44,31 @@ class JobPreparer:
     def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
         """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
         try:
-            compiled = self.compiler.compile(request)
+            compiled = self.compiler.compile(request, self._rotations(request))
         except UnsupportedContent as exc:
             raise invalid(list(exc.loc), exc.message, "unsupported_content") from exc
         self._check_budgets(compiled)
         now = time.time()
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
         return EvaluationJob(
-            id=new_job_id(),
+            id=new_job_id(now),
             request_id=request_id,
             model=self.settings.served_model_name,
             prefix_ids=compiled.prefix_ids,
             prefix_hash=prefix_key(compiled.prefix_ids, self.settings.route_prefix_tokens),
             branches=[Branch(question_id=b.question_id, kind=b.kind, suffix_ids=b.suffix_ids, label_ids=b.label_ids,
-                             option_names=b.option_names, legend=levels.get(b.question_id))
+                             option_names=b.option_names, legend=levels.get(b.question_id), option_order=b.option_order,
+                             calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names)))
                       for b in compiled.branches],
             created_at=now,
             deadline_at=now + timeout,
             temperature=self.settings.temperature,
             confidence=self.settings.confidence,
         )
+
+    def _rotations(self, request: SystemOneRequest) -> int:
+        debias = self.settings.debias if request.x_debias is None else request.x_debias
+        return self.settings.debias_max_rotations if debias else 1
 
     def _check_budgets(self, compiled: CompiledPrompt) -> None:
         prefix = len(compiled.prefix_ids)
@@ -75,8 +83,9 @@ class JobPreparer:
         total = prefix + sum(prefix + len(b.suffix_ids) for b in compiled.branches)
         if total > self.settings.max_total_input_tokens:
             raise invalid(["questions"], f"the request needs {total} input tokens across its "
-                          f"{len(compiled.branches)} questions, over the limit of "
-                          f"{self.settings.max_total_input_tokens}; send fewer questions or a shorter state",
+                          f"{len(compiled.branches)} branch calls (one per question, one per rotation when "
+                          f"debiasing), over the limit of {self.settings.max_total_input_tokens}; send fewer "
+                          "questions or a shorter state",
                           "token_budget")
 
 

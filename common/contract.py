@@ -71,6 +71,9 @@ class SystemOneRequest(_Lenient):
     model: str = Field(examples=["jev-latest"])
     state: JSON = Field(description="A string, a list of chat messages, `{messages: [...]}` or any JSON value.")
     questions: dict[str, Question] = Field(min_length=1)
+    x_debias: bool | None = Field(
+        default=None, description="openjev: average each choice/score answer over cyclic rotations of its options "
+        "(label-order debiasing; costs one branch per rotation). Omitted: the server's `OPENJEV_DEBIAS`.")
 
     @field_validator("state")
     @classmethod

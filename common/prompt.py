@@ -72,7 +72,9 @@ class CompiledBranch:
     suffix_ids: list[int]
     label_ids: list[int]
     option_names: list[str]
-    """The keys answers are reported under, in label order: noul true/false, choice names, score "0".."""
+    """The keys answers are reported under, in request order: noul true/false, choice names, score "0".."""
+    option_order: list[int] | None = None
+    """With debiasing: the option (index into `option_names`) shown at each label; None: label i shows option i."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +111,16 @@ class PromptCompiler:
         """The label alphabet; its `capacity` bounds the options of one question."""
         return self._alphabet
 
-    def compile(self, request: SystemOneRequest) -> CompiledPrompt:
-        """Render the state once and tokenize the shared prefix and every question's suffix."""
+    def compile(self, request: SystemOneRequest, max_rotations: int = 1) -> CompiledPrompt:
+        """Render the state once and tokenize the shared prefix and every question's suffix.
+
+        `max_rotations` > 1 debiases label order: each choice or score question with n options gets
+        min(n, max_rotations) branches, each showing its options cyclically rotated (see `rotation_orders`).
+        """
         prefix_text, tail = self._render(request.state)
         prefix_ids = self._prefixes.ids(prefix_text, self._encode)
-        branches = [self._branch(qid, question, tail) for qid, question in request.questions.items()]
+        branches = [branch for qid, question in request.questions.items()
+                    for branch in self._branches(qid, question, tail, max_rotations)]
         return CompiledPrompt(prefix_ids=prefix_ids, branches=branches)
 
     def _render(self, state: JSON) -> tuple[str, str]:
@@ -127,10 +134,19 @@ class PromptCompiler:
         _require_unicode(prefix_text, ("body", "state"))
         return prefix_text, tail
 
-    def _branch(self, question_id: str, question: AnyQuestion, tail: str) -> CompiledBranch:
+    def _branches(self, question_id: str, question: AnyQuestion, tail: str, max_rotations: int
+                  ) -> list[CompiledBranch]:
         options = question_options(question)
         labels = self._alphabet.labels_for(len(options))
-        suffix_text = question_text(question, options, labels) + tail + ANSWER_MARKER
+        rotations = 1 if isinstance(question, NoulQuestion) else min(len(options), max_rotations)
+        orders: list[list[int] | None] = [None] if rotations == 1 else rotation_orders(question, rotations)
+        return [self._branch(question_id, question, options, labels, tail, order) for order in orders]
+
+    def _branch(self, question_id: str, question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label],
+                tail: str, order: list[int] | None) -> CompiledBranch:
+        shown = options if order is None else [options[i] for i in order]
+        suffix_text = question_text(question, shown, labels, in_order=order is None or order[0] == 0) + tail
+        suffix_text += ANSWER_MARKER
         _require_unicode(suffix_text, ("body", "questions", question_id))
         return CompiledBranch(
             question_id=question_id,
@@ -138,6 +154,7 @@ class PromptCompiler:
             suffix_ids=self._encode(suffix_text),
             label_ids=[label.token_id for label in labels],
             option_names=[name for name, _ in options],
+            option_order=order,
         )
 
     def _encode(self, text: str) -> list[int]:
@@ -254,12 +271,32 @@ def question_options(question: AnyQuestion) -> list[tuple[str, str]]:
     return [(str(level), _json_text(about)) for level, about in enumerate(question.criteria)]
 
 
-def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label]) -> str:
-    """The question as the model reads it, up to the end of the user turn."""
+def rotation_orders(question: ChoiceQuestion | ScoreQuestion, rotations: int) -> list[list[int]]:
+    """`rotations` cyclic shifts of the options, spread evenly (as many as options: every shift).
+
+    Choice options are first put in one canonical order (by name), so with every shift the set of
+    prompts, and so the averaged answer, is the same whatever order the client sent them in. Score
+    levels keep their order: it is what the levels mean.
+    """
+    names = list(question.criteria) if isinstance(question, ChoiceQuestion) else None
+    n = len(question.criteria)
+    canonical = sorted(range(n), key=names.__getitem__) if names is not None else list(range(n))
+    shifts = sorted({(i * n) // rotations for i in range(rotations)})
+    return [canonical[s:] + canonical[:s] for s in shifts]
+
+
+def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label],
+                  in_order: bool = True) -> str:
+    """The question as the model reads it, up to the end of the user turn.
+
+    `in_order` False: a rotated score question, whose levels are not listed lowest first.
+    """
     instructions = "" if question.instructions is None else _json_text(question.instructions)
     if not instructions.strip():
         instructions = DEFAULT_INSTRUCTIONS
-    heading = "Levels, lowest first:" if isinstance(question, ScoreQuestion) else "Options:"
+    heading = "Options:"
+    if isinstance(question, ScoreQuestion):
+        heading = "Levels, lowest first:" if in_order else "Levels, in no particular order:"
     letter = "letter" if len(labels[0].letters) == 1 else "two letters"
     lines = [
         f"Question: {instructions}",

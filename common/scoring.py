@@ -1,12 +1,16 @@
-"""From label log-probabilities to answers: a stable softmax over the offered labels, then the
-contract's numbers (noul, argmax choice, expected score) and confidence."""
+"""From label log-probabilities to answers: a stable softmax over the offered labels, rotations of a
+debiased question averaged per option, the fitted temperature, then the contract's numbers (noul,
+argmax choice, expected score) and confidence."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.calibration import apply_temperature
+from common.jobs import Branch
 from common.settings import ConfidenceMode
 
 
@@ -97,3 +101,34 @@ def score_answer(dist: LabelDistribution, legend: list[Any], mode: ConfidenceMod
 
 def _unit(x: float) -> float:
     return min(1.0, max(0.0, x))
+
+
+def question_answers(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float,
+                     mode: ConfidenceMode) -> dict[str, dict[str, Any]]:
+    """Answers keyed by question id, from each branch's label logprobs; a question's rotation branches
+    (label-order debiasing) are averaged per option, then its fitted temperature is applied."""
+    grouped: dict[str, list[tuple[Branch, LabelDistribution]]] = {}
+    for branch, logprobs in zip(branches, label_logprobs, strict=True):
+        grouped.setdefault(branch.question_id, []).append((branch, label_distribution(logprobs, temperature)))
+    return {qid: _answer(group, mode) for qid, group in grouped.items()}
+
+
+def option_distribution(rotations: Sequence[tuple[list[int] | None, LabelDistribution]]) -> LabelDistribution:
+    """Each rotation's label probabilities mapped back to the options it showed, averaged over rotations."""
+    totals = [0.0] * len(rotations[0][1].probabilities)
+    for order, dist in rotations:
+        for label, p in enumerate(dist.probabilities):
+            totals[label if order is None else order[label]] += p
+    k = len(rotations)
+    return LabelDistribution([t / k for t in totals], math.fsum(d.label_mass for _, d in rotations) / k)
+
+
+def _answer(group: list[tuple[Branch, LabelDistribution]], mode: ConfidenceMode) -> dict[str, Any]:
+    branch = group[0][0]
+    dist = option_distribution([(b.option_order, d) for b, d in group])
+    dist = LabelDistribution(apply_temperature(dist.probabilities, branch.calibrated_temperature), dist.label_mass)
+    if branch.kind == "noul":
+        return noul_answer(dist)
+    if branch.kind == "choice":
+        return choice_answer(dist, branch.option_names, mode)
+    return score_answer(dist, branch.legend or [], mode)

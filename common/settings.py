@@ -11,8 +11,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Frontend(StrEnum):
-    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (may omit cached_tokens)
+    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (reports cached_tokens from 0.5.23)
     python = "python"  # the explicit fallback
+
+
+class SglangDevice(StrEnum):
+    cuda = "cuda"  # GPUs (production)
+    cpu = "cpu"  # SGLang's CPU engine, torch-native attention, float32 (the `sglang` test tier, laptops)
 
 
 class RoutingPolicy(StrEnum):
@@ -36,6 +41,11 @@ class Settings(BaseSettings):
     revision: str | None = None
     profile: str = "default"
     frontend: Frontend = Frontend.rust
+    sglang_device: SglangDevice = Field(
+        default=SglangDevice.cuda, description="Where a launched SGLang computes; cpu adds the CPU engine's flags.")
+    sglang_max_total_tokens: int | None = Field(
+        default=None, ge=16, description="A launched SGLang's KV cache pool in tokens (--max-total-tokens). Unset: "
+        "SGLang sizes it from free memory on a GPU; on the cpu device, 2 x the context length.")
     tokenizer: str | None = Field(
         default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
     )
@@ -58,6 +68,14 @@ class Settings(BaseSettings):
     temperature: float = Field(default=1.0, gt=0)
     confidence: ConfidenceMode = ConfidenceMode.typesafe
 
+    # Answer quality (bench/quality.py measures both).
+    debias: bool = Field(default=False, description="Average each choice/score answer over cyclic rotations of its "
+                         "options (label-order debiasing); a request's `x_debias` overrides it.")
+    debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
+                                      "min(options, this); below the option count invariance is approximate.")
+    calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
+                                     "temperatures applied to each answer's distribution.")
+
     # Secrets: never logged.
     api_key: SecretStr | None = None
     backend_api_key: SecretStr | None = None
@@ -78,6 +96,9 @@ class Settings(BaseSettings):
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    redis_dir: Path | None = Field(
+        default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
+        "defaults to <cache_dir>/redis. One Redis per directory.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     branch_batch_size: int = Field(
         default=64, ge=1, description="The most branches a worker sends in one batched /generate call (SGLang's "
@@ -97,6 +118,10 @@ class Settings(BaseSettings):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.redis_dir or self.cache_dir / "redis"
 
 
 @lru_cache(maxsize=1)

@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="N worker + CPU engine pairs (ids local-0..N-1): a local stand-in for N GPUs, "
                             "jobs routed by prefix hash (default 1)")
     serve.add_argument("--shared-redis", action="store_true",
-                       help="use the Redis at OPENJEV_REDIS_URL, shared with other serve instances, "
-                            "instead of starting an embedded one")
+                       help="use the Redis at OPENJEV_REDIS_URL (redis://:PASSWORD@host:port/0; it must require "
+                            "a password), shared with other serve instances, instead of starting an embedded one "
+                            "(which persists in OPENJEV_REDIS_DIR, default <cache dir>/redis)")
     serve.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_ARG",
                        help="after --, extra arguments passed through to SGLang (with --sglang-python)")
     serve.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -84,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--key-env", metavar="VAR", help="send the API key held in this environment variable")
     batch.add_argument("--retry-errors", action="store_true", help="on resume, redo lines recorded with an error")
     batch.set_defaults(run=_batch)
+
+    calibrate = sub.add_parser("calibrate", help="fit one temperature per question type on labelled answers",
+                               description="Fit temperatures that minimise the negative log-likelihood of labelled "
+                                           "answers and write them as a file for OPENJEV_CALIBRATION. IN.jsonl: one "
+                                           'answer a line, {"kind", "probabilities", "gold"} (bench/quality.py '
+                                           "writes them as records.jsonl); lines with split held_out are skipped.")
+    calibrate.add_argument("input", type=Path, metavar="IN.jsonl", help="labelled answers, one JSON object a line")
+    calibrate.add_argument("-o", "--output", type=Path, required=True, metavar="calibration.json")
+    calibrate.add_argument("--by-options", action="store_true",
+                           help="also fit one temperature per option count with at least 30 answers")
+    calibrate.set_defaults(run=_calibrate)
 
     schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)")
     schema.set_defaults(run=_schema)
@@ -159,6 +171,31 @@ def _batch(args: argparse.Namespace) -> int:
     return run_batch(BatchOptions(input=args.input, output=args.output, url=args.url, questions=args.questions,
                                   model=args.model, concurrency=args.concurrency, api_key=key,
                                   retry_errors=args.retry_errors))
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from common.calibration import LabelledAnswer, fit_calibration
+
+    answers = []
+    for number, line in enumerate(args.input.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if record.get("split") != "held_out":
+                answers.append(LabelledAnswer(str(record["kind"]), [float(p) for p in record["probabilities"]],
+                                              int(record["gold"])))
+        except (ValueError, KeyError, TypeError) as error:
+            print(f"openjev calibrate: {args.input}:{number}: not a labelled answer ({error})", file=sys.stderr)
+            return 2
+    if not answers:
+        print(f"openjev calibrate: {args.input} holds no labelled answers to fit on", file=sys.stderr)
+        return 2
+    calibration = fit_calibration(answers, by_options=args.by_options)
+    args.output.write_text(calibration.model_dump_json(indent=2) + "\n")
+    for kind, fitted in calibration.temperatures.items():
+        print(f"{kind}: T = {fitted.temperature:g} ({fitted.samples} answers)")
+    return 0
 
 
 def _schema(_: argparse.Namespace) -> int:

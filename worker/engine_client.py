@@ -1,13 +1,16 @@
 """HTTP client for the subset of SGLang's native API the worker uses (`spec/sglang.md`):
 `POST /generate` with input ids and label logprobs (one prompt, or a batch of them in one call),
-`POST /abort_request` by rid. Nothing the engine answers is trusted unchecked: an answer that is too
-big, not the documented shape, or carries logprobs that are not finite log-probabilities is an
+`POST /abort_request` by rid. Both of SGLang's HTTP frontends are understood, as measured on 0.5.23
+(`tests/data/sglang-0.5.23-cpu/`). Nothing the engine answers is trusted unchecked: an answer that is
+too big, not the documented shape, or carries logprobs that are not finite log-probabilities is an
 `EngineError`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +23,24 @@ DEFAULT_MAX_ANSWER_BYTES = 1024 * 1024
 # A full-vocabulary log-probability is <= 0; float rounding in the engine's log_softmax may go a hair above.
 LOGPROB_CEILING = 1e-3
 
+# How SGLang's Rust frontend answers a call that was aborted: 499 "client disconnected", or 500
+# with this message when the abort came right after the call.
+ABORTED_STATUS = 499
+TRUNCATED_BY_ABORT = "response truncated before completion"
+
+# SGLang's Python frontend answers 200 to an abort that arrives before the call is registered, and
+# drops it: the call then runs to completion. So an abort is sent again at these delays (seconds);
+# a repeat for a call that has ended is a no-op (an unknown rid is answered 200 and ignored).
+ABORT_REPEATS = (0.3, 1.0)
+
 
 class EngineError(Exception):
     """The engine failed a call (HTTP error, malformed or untrustworthy answer, unreachable)."""
 
 
 class EngineAborted(EngineError):
-    """The engine answered 200 but reports the request as aborted."""
+    """The engine reports the call as aborted (200 with an abort finish reason, or the Rust
+    frontend's 499, or its 500 "response truncated before completion")."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +49,7 @@ class GenerateResult:
 
     label_logprobs: list[float]
     prompt_tokens: int
-    cached_tokens: int | None  # None when the engine does not report it (SGLang's Rust frontend)
+    cached_tokens: int | None  # None when the engine does not report it (SGLang's Rust frontend before 0.5.23)
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,13 @@ class EngineClient:
         )
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self.max_answer_bytes = max_answer_bytes
+        self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
+        self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
 
     async def close(self) -> None:
+        for task in self._repeats:
+            task.cancel()
+        await asyncio.gather(*self._repeats, return_exceptions=True)
         await self._http.aclose()
 
     async def warm(self, prefix: SharedPrefix, rid: str, timeout: float) -> GenerateResult:
@@ -138,9 +157,24 @@ class EngineClient:
         return results
 
     async def abort(self, rid: str) -> None:
-        """Ask the engine to drop a live request; best effort (it may already have finished)."""
+        """Ask the engine to drop a live request; best effort (it may already have finished). The
+        request is sent now and again in the background (`ABORT_REPEATS`), in case the engine had
+        not registered the call yet."""
+        await self._send_abort(rid)
+        repeat = asyncio.create_task(self._repeat_abort(rid))
+        self._repeats.add(repeat)
+        repeat.add_done_callback(self._repeats.discard)
+
+    async def _send_abort(self, rid: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post("/abort_request", json={"rid": rid}, timeout=5.0)
+
+    async def _repeat_abort(self, rid: str) -> None:
+        waited = 0.0
+        for delay in ABORT_REPEATS:
+            await asyncio.sleep(delay - waited)
+            waited = delay
+            await self._send_abort(rid)
 
     async def _generate(self, body: bytes, rid: str, prompts: int, timeout: float) -> Any:
         """POST /generate and return its decoded JSON, read no further than the answer bound."""
@@ -156,7 +190,11 @@ class EngineClient:
         if raw is None:
             raise EngineError(f"engine answer to {rid} exceeds {limit} bytes ({prompts} prompts)")
         if response.status_code != 200:
-            raise EngineError(f"engine answered {response.status_code}: {_error_message(raw)}")
+            message = _error_message(raw)
+            if _is_abort(response.status_code, message):
+                raise EngineAborted(f"engine aborted {rid}: {message}")
+            raise EngineError(f"engine answered {response.status_code}: {message}")
+        self.last_answer_at = time.monotonic()
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -195,6 +233,10 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def _is_abort(status: int, message: str) -> bool:
+    return status == ABORTED_STATUS or (status == 500 and TRUNCATED_BY_ABORT in message)
+
+
 def _cached(meta: dict[str, Any]) -> int | None:
     value = meta.get("cached_tokens")
     return value if _is_count(value) else None
@@ -215,15 +257,17 @@ def _label_logprobs(meta: dict[str, Any], label_ids: list[int]) -> list[float]:
 
 
 def _error_message(raw: bytes) -> str:
+    """The message of an error answer, in any of the shapes SGLang uses: `{"error": "..."}`,
+    `{"error": {"message", "code"?}}`, `{"object": "error", "message"}`, or plain text."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return raw[:300].decode(errors="replace")
     if isinstance(body, dict):
         error = body.get("error")
-        if isinstance(error, dict):
-            return str(error.get("message", body))[:300]
         if isinstance(error, str):
             return error[:300]
+        if isinstance(error, dict):
+            return str(error.get("message", body))[:300]
         return str(body.get("message", body))[:300]
     return str(body)[:300]

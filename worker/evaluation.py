@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from common.jobs import EvaluationJob, Timings
-from common.scoring import choice_answer, label_distribution, noul_answer, score_answer
+from common.scoring import question_answers
 from worker.branch_slots import BranchSlots
 from worker.engine_client import BranchPrompt, EngineClient, GenerateResult, SharedPrefix
 
@@ -114,15 +114,7 @@ class JobEvaluation:
 
     def _response_body(self, warm: GenerateResult, results: list[GenerateResult]) -> dict:
         job = self.job
-        answers = {}
-        for branch, result in zip(job.branches, results, strict=True):
-            dist = label_distribution(result.label_logprobs, job.temperature)
-            if branch.kind == "noul":
-                answers[branch.question_id] = noul_answer(dist)
-            elif branch.kind == "choice":
-                answers[branch.question_id] = choice_answer(dist, branch.option_names, job.confidence)
-            else:
-                answers[branch.question_id] = score_answer(dist, branch.legend or [], job.confidence)
+        answers = question_answers(job.branches, [r.label_logprobs for r in results], job.temperature, job.confidence)
         input_tokens = warm.prompt_tokens + sum(r.prompt_tokens for r in results)
         return {
             "model": job.model,

