@@ -290,9 +290,10 @@ def test_the_build_context_holds_only_the_package_sources() -> None:
 # --- Redis: durable, private, password-protected --------------------------------------------------
 
 FAKE_IMAGE_ENTRYPOINT = """#!/bin/sh
-# Stands in for the redis image's docker-entrypoint.sh (which drops to the redis user and execs its
-# arguments): runs them with this machine's redis-server, on a free port.
-exec "$@" --port {port}
+# Stands in for the redis image's docker-entrypoint.sh, which drops to the redis user and runs
+# `redis-server --protected-mode no ARGS...`: the same here, on this machine's redis-server and a free port.
+server=$1; shift
+exec "$server" --protected-mode no --port {port} "$@"
 """
 
 
