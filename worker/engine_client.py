@@ -127,24 +127,9 @@ class EngineClient:
         one `/generate` call: SGLang's batch form (list-valued `input_ids` and `rid`) for several
         branches, the single form for one. Results are in `branches` order."""
         rids = [b.rid for b in branches]
-        label_ids = [b.label_ids for b in branches]
         batched = len(branches) > 1
-        body = {
-            "input_ids": [prefix.followed_by(b.suffix_ids) for b in branches] if batched
-            else prefix.followed_by(branches[0].suffix_ids),
-            "rid": rids if batched else rids[0],
-            # temperature 0 keeps the returned logprobs unscaled; ours is applied in the softmax.
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            # One list for the whole batch when every branch asks for the same labels, else one per branch.
-            "token_ids_logprob": label_ids if batched and any(ids != label_ids[0] for ids in label_ids)
-            else label_ids[0],
-            "top_logprobs_num": 0,
-            "return_text_in_logprobs": False,
-        }
         call = rids[0] if not batched else f"{rids[0]} and {len(rids) - 1} more"
-        answer = await self._generate(orjson.dumps(body), call, len(branches), timeout)
+        answer = await self._generate(score_request(prefix, branches, max_new_tokens), call, len(branches), timeout)
         answers = answer if batched else [answer]
         if not isinstance(answers, list) or len(answers) != len(branches):
             raise EngineError(f"engine answered a batch of {len(branches)} prompts with "
@@ -199,6 +184,29 @@ class EngineClient:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise EngineError(f"engine answered 200 with invalid JSON: {exc}") from exc
+
+
+def score_request(prefix: SharedPrefix, branches: Sequence[BranchPrompt], max_new_tokens: int = 1) -> bytes:
+    """The `/generate` body of a branch call: SGLang's batch form (list-valued `input_ids` and `rid`, one
+    `token_ids_logprob` list per prompt where they differ) for several branches, the single form for one."""
+    rids = [b.rid for b in branches]
+    label_ids = [b.label_ids for b in branches]
+    batched = len(branches) > 1
+    body = {
+        "input_ids": [prefix.followed_by(b.suffix_ids) for b in branches] if batched
+        else prefix.followed_by(branches[0].suffix_ids),
+        "rid": rids if batched else rids[0],
+        # temperature 0 keeps the returned logprobs unscaled; ours is applied in the softmax.
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        # One list for the whole batch when every branch asks for the same labels, else one per branch.
+        "token_ids_logprob": label_ids if batched and any(ids != label_ids[0] for ids in label_ids)
+        else label_ids[0],
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+    }
+    return orjson.dumps(body)
 
 
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes | None:
