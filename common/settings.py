@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +24,11 @@ class RoutingPolicy(StrEnum):
 class ConfidenceMode(StrEnum):
     typesafe = "typesafe"  # the official formulas of the contract
     entropy = "entropy"  # clamp(1 - H(p) / ln n, 0, 1)
+
+
+class PromptStyle(StrEnum):
+    inline = "inline"  # "Answer:" then the label with its leading space (" A"): the default, kept on evidence
+    newline = "newline"  # "Answer:", a newline, then the bare label ("A"): the alternative measured against it
 
 
 class Settings(BaseSettings):
@@ -63,6 +69,8 @@ class Settings(BaseSettings):
                          "options (label-order debiasing); a request's `x_debias` overrides it.")
     debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
                                       "min(options, this); below the option count invariance is approximate.")
+    prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
+                                      "answer marker (bench/RESULTS-quality.md compares them).")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
                                      "temperatures applied to each answer's distribution.")
 
@@ -86,6 +94,8 @@ class Settings(BaseSettings):
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    cpu_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="The CPU engine's dtype; auto times both at load and keeps the faster.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
     engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
