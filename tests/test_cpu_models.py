@@ -86,3 +86,14 @@ def test_streamed_conversion_gives_the_logits_of_transformers_own_gguf_loader(tm
     assert torch.allclose(got, want, atol=0.05, rtol=0)
     assert got.topk(5).indices.tolist() == want.topk(5).indices.tolist()
     assert AutoTokenizer.from_pretrained(converted).chat_template  # the GGUF's own template, kept
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "gpt-5"], "--model must be one of smollm2-135m, qwen2.5-1.5b"),
+    (["--model", "qwen2.5-1.5b", "--connect", "http://127.0.0.1:1"], "SGLang's is OPENJEV_MODEL"),
+])
+def test_serve_refuses_a_model_it_cannot_run_before_starting_anything(args: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "openjev", "serve", "--port", "1", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr
