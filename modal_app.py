@@ -8,6 +8,14 @@ OPENJEV_PROFILE, OPENJEV_FRONTEND and OPENJEV_SERVED_MODEL_NAME are forwarded fr
 `modal`. Other settings go in IMAGE_ENV below, or in Modal Secrets named (comma-separated) by
 OPENJEV_MODAL_SECRETS in that shell: for example OPENJEV_API_KEY, HF_TOKEN, or OPENJEV_REDIS_URL, which
 makes every replica share one Redis, so async jobs and prefix routing work across replicas.
+
+Redis: by default each replica runs its own (serve's embedded one: loopback, a generated password,
+an append-only file) on the container's own disk, not on the Volume: a Volume is shared by every
+replica and committed as snapshots, no place for a live append-only file that only one Redis may
+write. So a replica's jobs survive its Redis restarting (serve restarts it in place) but not the
+container being replaced; jobs that must outlive a container need the shared Redis, which must
+require a password (`redis://:PASSWORD@host:port/0`, or rediss://) and persist (AOF, noeviction):
+serve refuses a shared URL without a password.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ SGLANG_ARGS: tuple[str, ...] = ()  # extra SGLang flags, e.g. ("--mem-fraction-s
 API_PORT = 8000
 VOLUME_NAME = "openjev-huggingface"
 CACHE_MOUNT = "/cache"
+REDIS_DIR = "/var/lib/openjev/redis"  # the container's disk: one replica's own Redis (see the module docstring)
 
 MINUTES = 60
 STARTUP_TIMEOUT = 40 * MINUTES  # the first start downloads the weights, then loads them and captures graphs
@@ -50,6 +59,7 @@ IMAGE_ENV = {
     "SGLANG_CACHE_DIR": f"{CACHE_MOUNT}/sglang",
     "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/sglang/triton",
     "OPENJEV_CACHE_DIR": f"{CACHE_MOUNT}/openjev",
+    "OPENJEV_REDIS_DIR": REDIS_DIR,
     # The workers turn on the sgl-project/sglang#34719 workaround from this.
     "OPENJEV_SGLANG_VERSION": SGLANG_VERSION,
 }

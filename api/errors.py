@@ -70,6 +70,13 @@ class JobNotFound(ApiError):
     error_type = "not_found_error"
 
 
+class JobLost(ApiError):
+    """The job was accepted and its record should still be kept, but Redis no longer has it."""
+
+    status = 410
+    error_type = "job_lost_error"
+
+
 class JobFailed(ApiError):
     """A job ended without a result; the worker chose the status and the error."""
 

@@ -14,16 +14,17 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import require_key
-from api.errors import ApiError, JobNotFound
+from api.errors import ApiError, JobLost, JobNotFound
 from api.routes import ERRORS
 from common import keys
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
-from common.jobs import JobStatus
+from common.jobs import JobStatus, job_created_at
 from common.jobstore import JobRecord
 
 router = APIRouter(tags=["Async jobs"], dependencies=[Depends(require_key)])
 
 MAX_WAIT = 30.0  # seconds a GET may hold the request open
+CLOCK_SLACK = 5.0  # seconds the API replicas' clocks may disagree about a job id's creation time
 
 
 class JobView(BaseModel):
@@ -71,7 +72,9 @@ async def submit_job(request: Request, response: Response,
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, response_model_exclude_none=True,
-            responses={404: {"model": ErrorBody, "description": "Unknown job, or its result expired"}},
+            responses={404: {"model": ErrorBody, "description": "Unknown job, or its result expired"},
+                       410: {"model": ErrorBody, "description": "The job was accepted and its result should still "
+                             "be kept, but the queue lost it (its Redis lost data): submit the request again"}},
             summary="Read a job, optionally waiting for it to finish")
 async def get_job(request: Request, job_id: str,
                   wait: float = Query(default=0.0, ge=0.0, le=MAX_WAIT,
@@ -95,10 +98,21 @@ async def cancel_job(request: Request, job_id: str) -> Any:
 
 
 async def _record(request: Request, job_id: str) -> JobRecord:
-    record = await request.app.state.services.queue.store.get(job_id)
+    services = request.app.state.services
+    record = await services.queue.store.get(job_id)
     if record is None:
-        raise JobNotFound(f"no job {job_id!r} (unknown, or its result expired)")
+        raise _missing(job_id, services.settings.job_result_ttl)
     return record
+
+
+def _missing(job_id: str, result_ttl: int) -> ApiError:
+    """Why `job_id` has no record. Every record lives at least the result TTL from its job's
+    creation (a finished job's for the TTL after it ended), so a missing one younger than that was lost."""
+    created = job_created_at(job_id)
+    if created is not None and created - CLOCK_SLACK <= time.time() < created + result_ttl - CLOCK_SLACK:
+        return JobLost(f"job {job_id!r} was accepted at {_rfc3339(created)} and would still be kept, but the queue "
+                       "has lost it (its Redis lost data); submit the request again")
+    return JobNotFound(f"no job {job_id!r} (unknown, or its result expired)")
 
 
 async def _expire_if_overdue(request: Request, record: JobRecord) -> JobRecord:

@@ -51,7 +51,7 @@ class JobPreparer:
         now = time.time()
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
         return EvaluationJob(
-            id=new_job_id(),
+            id=new_job_id(now),
             request_id=request_id,
             model=self.settings.served_model_name,
             prefix_ids=compiled.prefix_ids,

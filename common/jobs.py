@@ -3,6 +3,7 @@ that tracks it until a result (or an error) is stored for the caller."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from enum import StrEnum
@@ -100,9 +101,19 @@ def deserialize(raw: bytes) -> Any:
     return orjson.loads(raw)
 
 
-def new_job_id() -> str:
-    """An unguessable job id (128 random bits)."""
-    return "job_" + secrets.token_hex(16)
+JOB_ID = re.compile(r"job_([0-9a-f]{12})[0-9a-f]{32}")  # creation time (ms, hex), then 128 random bits
+
+
+def new_job_id(created_at: float) -> str:
+    """An unguessable job id (128 random bits) that carries its creation time, so a job whose record
+    is missing can be told apart: lost (it should still be kept) or expired."""
+    return f"job_{int(created_at * 1000):012x}{secrets.token_hex(16)}"
+
+
+def job_created_at(job_id: str) -> float | None:
+    """The creation time (epoch seconds) carried by an id from `new_job_id`; None for any other string."""
+    match = JOB_ID.fullmatch(job_id)
+    return int(match.group(1), 16) / 1000 if match else None
 
 
 def new_request_id() -> str:

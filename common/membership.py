@@ -39,7 +39,7 @@ class WorkerCounters(BaseModel):
     branch_calls: int = 0  # branch calls of answered jobs
     branch_prompt_tokens: int = 0
     branch_cached_tokens: int = 0
-    unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang's Rust frontend)
+    unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang 0.5.19's Rust frontend)
     engine_errors: int = 0  # engine calls that failed or were aborted by the engine
     aborts_sent: int = 0  # abort requests sent for live calls of failed, timed-out or cancelled jobs
 

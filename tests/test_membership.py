@@ -53,6 +53,6 @@ async def test_counters_travel_with_the_heartbeat_and_give_the_hit_ratios(redis:
 def test_hit_ratios_are_unknown_before_any_job_and_when_the_engine_does_not_report_hits() -> None:
     counters = WorkerCounters()
     assert counters.branch_hit_ratio is None and counters.warm_hit_ratio is None
-    counters.record_job(Call(100, None), [Call(130, None)])  # SGLang's Rust frontend omits cached_tokens
+    counters.record_job(Call(100, None), [Call(130, None)])  # SGLang 0.5.19's Rust frontend omitted cached_tokens
     assert counters.unreported_calls == 2
     assert counters.branch_hit_ratio is None and counters.warm_hit_ratio is None

@@ -154,3 +154,21 @@ def test_the_module_imports_only_modal_and_the_standard_library_at_top_level() -
                 for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])}
     assert imported - set(sys.stdlib_module_names) - {"__future__"} == {"modal"}
     assert Path(modal_app.__file__).resolve() == ROOT / "modal_app.py"
+
+
+def test_each_replicas_own_redis_keeps_its_data_on_the_container_disk_not_the_shared_volume() -> None:
+    redis_dir = modal_app.IMAGE_ENV["OPENJEV_REDIS_DIR"]
+    assert redis_dir == modal_app.REDIS_DIR and Path(redis_dir).is_absolute()
+    assert not redis_dir.startswith(modal_app.CACHE_MOUNT + "/")  # every replica mounts the Volume
+    assert Settings(_env_file=None, redis_dir=redis_dir).embedded_redis_dir == Path(redis_dir)  # type: ignore[call-arg]
+
+
+def test_a_shared_redis_url_without_a_password_stops_the_replica_with_a_message(tmp_path: Path) -> None:
+    env = {"OPENJEV_REDIS_URL": "redis://redis.example:6379/0"}  # as a Secret without credentials gives it
+    argv = modal_app.serve_command(env)
+    assert argv[0] == f"{modal_app.OPENJEV_VENV}/bin/openjev"
+    local = [sys.executable, "-m", "openjev", *argv[1:]]  # this checkout's openjev in place of the image's
+    done = subprocess.run(local, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env})
+    assert done.returncode != 0
+    assert "OPENJEV_REDIS_URL has no password" in done.stderr

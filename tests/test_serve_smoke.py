@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from openjev.embedded_redis import free_port, start_redis
+from openjev.embedded_redis import free_port
 from tests.conftest import CPU_MODEL_NAME, model_cache_dir
 from tests.processes import ROOT, alive
+from tests.redis_servers import fresh_redis
 
 SERVE_START_TIMEOUT = 600.0  # a first run converts the CPU model
 SERVING_LINE = re.compile(r"openjev is serving on (http://\S+)")
@@ -45,7 +46,8 @@ def descendants(pid: int) -> set[int]:
 
 
 def start_serve(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    full_env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), **(env or {})}
+    full_env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent),
+                "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis")), **(env or {})}
     with log.open("wb") as handle:
         return subprocess.Popen([sys.executable, "-m", "openjev", "serve", *args], stdout=handle,
                                 stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
@@ -135,10 +137,8 @@ def serve_supports_shared_redis() -> bool:
 
 @pytest.fixture
 def shared_redis() -> Iterator[str]:
-    process, url = start_redis()
-    yield url
-    process.terminate()
-    process.wait(10)
+    with fresh_redis() as url:
+        yield url
 
 
 @pytest.mark.integration

@@ -3,13 +3,18 @@ arguments and the version facts the worker depends on."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from common.settings import Frontend, Settings
+from common.settings import Frontend, Settings, SglangDevice
 from worker.sglang_launcher import (
     LaunchArgumentRejected,
+    ModelFacts,
     check_extra_args,
     installed_sglang_version,
     needs_warm_label_logprobs,
@@ -78,6 +83,8 @@ def test_extra_arguments_pass_through_after_ours() -> None:
     ["--port", "1"],
     ["--context-length=4096"],
     ["--mamba-radix-cache-strategy", "no_buffer"],
+    ["--device", "cpu"],
+    ["--max-total-tokens=16384"],
 ])
 def test_extra_arguments_that_break_caching_or_shadow_settings_are_rejected(args: list[str]) -> None:
     with pytest.raises(LaunchArgumentRejected):
@@ -112,3 +119,82 @@ def test_installed_version_is_read_from_metadata_without_importing(tmp_path) -> 
     assert installed_sglang_version(str(fake_python)) == "0.5.19"
     assert installed_sglang_version(sys.executable) is None  # not installed here
     assert installed_sglang_version(str(tmp_path / "missing")) is None
+
+
+def model_dir_with(tmp_path: Path, config: dict[str, object]) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 8192,
+                  "num_hidden_layers": 30}
+# The shape of Qwen3.6-35B-A3B's config: a hybrid of linear (Gated DeltaNet) and full attention layers.
+HYBRID_CONFIG = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                 "text_config": {"layer_types": ["linear_attention", "linear_attention", "linear_attention",
+                                                 "full_attention"], "full_attention_interval": 4,
+                                 "max_position_embeddings": 262144}}
+
+
+def test_a_model_without_linear_attention_gets_no_hybrid_flags_and_its_own_shorter_context(tmp_path: Path) -> None:
+    # SGLang 0.5.23 refuses both for SmolLM2: "needs mamba state, got LlamaForCausalLM", and a
+    # context length above the model's 8192.
+    argv, _ = sglang_command(settings(model=model_dir_with(tmp_path, SMOLLM2_CONFIG)))
+    assert "--mamba-radix-cache-strategy" not in argv
+    assert flag(argv, "--context-length") == "8192"
+
+
+def test_a_hybrid_model_keeps_the_extra_buffer_cache_and_the_configured_context(tmp_path: Path) -> None:
+    argv, _ = sglang_command(settings(model=model_dir_with(tmp_path, HYBRID_CONFIG), max_input_tokens=32768))
+    assert flag(argv, "--mamba-radix-cache-strategy") == "extra_buffer"
+    assert flag(argv, "--context-length") == "32768"
+
+
+def test_the_configured_context_wins_when_it_is_the_smaller(tmp_path: Path) -> None:
+    argv, _ = sglang_command(settings(model=model_dir_with(tmp_path, SMOLLM2_CONFIG), max_input_tokens=4096))
+    assert flag(argv, "--context-length") == "4096"
+
+
+def facts_in_a_fresh_process(model: str, hub_cache: Path) -> str:
+    """`model_facts(model)` with `hub_cache` as the Hugging Face cache (read once, at import)."""
+    probe = f"from worker.sglang_launcher import model_facts; print(model_facts({model!r}))"
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "HF_HUB_CACHE": str(hub_cache)},
+                          capture_output=True, text=True, timeout=60, check=True, cwd=Path(__file__).parent.parent)
+    return done.stdout.strip()
+
+
+def test_a_hub_model_whose_config_is_not_here_yet_is_taken_for_the_production_hybrid(tmp_path: Path) -> None:
+    assert facts_in_a_fresh_process("org/not-downloaded", tmp_path) == repr(ModelFacts(hybrid=True,
+                                                                                       context_length=None))
+
+
+def test_a_hub_model_in_the_local_cache_is_read_from_there(tmp_path: Path) -> None:
+    repo = tmp_path / "models--org--small"
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    assert facts_in_a_fresh_process("org/small", tmp_path) == repr(ModelFacts(hybrid=False, context_length=8192))
+
+
+def test_the_cpu_device_adds_sglangs_cpu_engine_flags_and_switch() -> None:
+    argv, env = sglang_command(settings(sglang_device=SglangDevice.cpu), base_env={})
+    assert flag(argv, "--device") == "cpu"
+    assert flag(argv, "--attention-backend") == "torch_native"
+    assert flag(argv, "--dtype") == "float32"
+    assert {"--sleep-on-idle", "--disable-overlap-schedule"} <= set(argv)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    gpu_argv, gpu_env = sglang_command(settings(), base_env={})
+    assert "--device" not in gpu_argv and "SGLANG_USE_CPU_ENGINE" not in gpu_env
+
+
+def test_on_a_cpu_the_kv_pool_is_capped_at_two_contexts_unless_set(tmp_path: Path) -> None:
+    # Uncapped, SGLang on a CPU took 12 GB of RAM for SmolLM2's KV pool.
+    model = model_dir_with(tmp_path, SMOLLM2_CONFIG)
+    argv, _ = sglang_command(settings(model=model, sglang_device=SglangDevice.cpu))
+    assert flag(argv, "--max-total-tokens") == "16384"
+    argv, _ = sglang_command(settings(model=model, sglang_device=SglangDevice.cpu, sglang_max_total_tokens=4096))
+    assert flag(argv, "--max-total-tokens") == "4096"
+    gpu_argv, _ = sglang_command(settings())
+    assert "--max-total-tokens" not in gpu_argv  # on a GPU SGLang sizes it from free memory
+    gpu_argv, _ = sglang_command(settings(sglang_max_total_tokens=500000))
+    assert flag(gpu_argv, "--max-total-tokens") == "500000"

@@ -1,12 +1,16 @@
 """Whether the worker's engine can serve, judged by probing its `/health` on a schedule of its own.
-SGLang's `/health` runs a one-token generation and may take up to `SGLANG_HEALTH_CHECK_TIMEOUT`
-(20 s) under load: a slow answer means busy, never dead. Only an engine that refuses connections,
-answers that it is unhealthy, or stays silent past a generous timeout again and again is taken out."""
+SGLang's `/health` runs a one-token generation: under load it may stay silent for up to
+`SGLANG_HEALTH_CHECK_TIMEOUT` (20 s), and then answer 503 when the scheduler produced nothing in
+that time, which on a CPU one long forward pass does. So a slow or failed probe means busy, never
+dead, while the engine keeps answering calls: only an engine that refuses connections, or one that
+stays unresponsive with no call answered for several probe timeouts, is taken out."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -20,8 +24,8 @@ class Probe(StrEnum):
 
     healthy = "healthy"  # 200
     refused = "refused"  # no connection: nothing listens there (a dead engine)
-    unhealthy = "unhealthy"  # it answered, but not 200 (starting, or its own health generation failed)
-    silent = "silent"  # no answer within the probe timeout (busy, or hung when it repeats)
+    unhealthy = "unhealthy"  # it answered, but not 200 (SGLang: its health generation saw no progress)
+    silent = "silent"  # no answer within the probe timeout
 
 
 @dataclass(frozen=True)
@@ -30,25 +34,31 @@ class HealthPolicy:
 
     interval: float = 2.0  # seconds from the end of one probe to the start of the next
     timeout: float = 30.0  # seconds a probe waits: above SGLang's own 20 s health check limit
-    silent_probes_before_out: int = 2  # consecutive silent probes before the engine counts as hung
-    failures_before_down: int = 3  # consecutive failed probes (any kind) before the engine is given up
+    out_after_timeouts: float = 2.0  # unresponsive this many probe timeouts, no call answered: out of routing
+    down_after_timeouts: float = 6.0  # ... this many: the engine is hung, given up
+    refusals_before_down: int = 3  # consecutive refused connections before a dead engine is given up
 
 
 class EngineHealth:
     """The engine's health as last probed. `routable` says whether jobs should be routed to this
-    worker; `down` is set once the engine has failed enough probes in a row to give up on it."""
+    worker; `down` is set once the engine is dead or hung. `last_answer` gives the monotonic time
+    of the engine's last answered call (progress that a failed probe cannot outweigh)."""
 
-    def __init__(self, base_url: str, policy: HealthPolicy | None = None) -> None:
+    def __init__(self, base_url: str, policy: HealthPolicy | None = None,
+                 last_answer: Callable[[], float] = lambda: 0.0) -> None:
         self.policy = policy or HealthPolicy()
         # Its own connection: a probe never waits for a pooled connection behind the job's calls.
         self._http = httpx.AsyncClient(base_url=base_url, timeout=self.policy.timeout)
+        self._last_answer = last_answer
         self.routable = True
         self.down = asyncio.Event()
-        self._failures = 0
-        self._silent = 0
+        self._unresponsive_since: float | None = None  # start of the probes failing with no call answered
+        self._refusals = 0  # consecutive
+        self._refused = False  # a refusal since the last healthy probe: out until healthy again
 
     async def probe(self) -> Probe:
         """Probe `/health` once and record the result."""
+        started = time.monotonic()
         try:
             response = await self._http.get("/health")
         except httpx.TimeoutException:
@@ -57,20 +67,23 @@ class EngineHealth:
             result = Probe.refused
         else:
             result = Probe.healthy if response.status_code == 200 else Probe.unhealthy
-        self.record(result)
+        self.record(result, started, time.monotonic())
         return result
 
-    def record(self, result: Probe) -> None:
-        """Fold one probe's result into `routable` and `down`."""
+    def record(self, result: Probe, started: float, now: float) -> None:
+        """Fold one probe (begun at `started`, ended at `now`, monotonic) into `routable` and `down`."""
         if result is Probe.healthy:
-            self._failures = self._silent = 0
+            self._unresponsive_since, self._refusals, self._refused = None, 0, False
             self.routable = True
             return
-        self._failures += 1
-        self._silent = self._silent + 1 if result is Probe.silent else 0
-        # One silent probe is a busy engine: it keeps its jobs; a refusal or a bad answer is not.
-        self.routable = result is Probe.silent and self._silent < self.policy.silent_probes_before_out
-        if self._failures >= self.policy.failures_before_down:
+        if self._unresponsive_since is None or self._last_answer() > self._unresponsive_since:
+            self._unresponsive_since = started  # answers came meanwhile: busy so far, count from here
+        self._refusals = self._refusals + 1 if result is Probe.refused else 0
+        self._refused = self._refused or result is Probe.refused
+        unresponsive = now - self._unresponsive_since
+        self.routable = not self._refused and unresponsive < self.policy.out_after_timeouts * self.policy.timeout
+        if (self._refusals >= self.policy.refusals_before_down
+                or unresponsive >= self.policy.down_after_timeouts * self.policy.timeout):
             self.down.set()
 
     async def watch(self) -> None:
@@ -79,7 +92,7 @@ class EngineHealth:
             await asyncio.sleep(self.policy.interval)
             result = await self.probe()
             if result is not Probe.healthy:
-                log.warning("engine health probe: %s (%d in a row)", result.value, self._failures)
+                log.warning("engine health probe: %s (routed: %s)", result.value, self.routable)
 
     async def close(self) -> None:
         await self._http.aclose()

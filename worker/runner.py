@@ -35,6 +35,7 @@ log = logging.getLogger("openjev.worker")
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
+STORE_RETRY_DELAY = 0.5  # seconds between attempts to store an outcome while Redis is unreachable
 
 
 def default_worker_id() -> str:
@@ -203,9 +204,22 @@ class QueueWorker(Worker):
         except Exception:  # a bug: the caller gets a 500 now rather than a 504 at its deadline
             log.exception("job %s: the worker failed on it", job_id)
             outcome = self._ended(JobStatus.failed, 500, "api_error", "the worker failed on this job")
-        await asyncio.shield(self.store.finish(job_id, outcome, self.queue_name))
+        await asyncio.shield(self._store(job_id, outcome, job.deadline_at if job else time.time()))
         if job is not None:
             _log_job(job, outcome)  # after the answer went out: logging is not on the caller's path
+
+    async def _store(self, job_id: str, outcome: JobOutcome, deadline_at: float) -> None:
+        """Store the outcome, retrying while Redis restarts (its append-only file keeps the job):
+        the result is computed and its caller waits for it until the deadline."""
+        while True:
+            try:
+                await self.store.finish(job_id, outcome, self.queue_name)
+                return
+            except (RedisError, OSError) as exc:
+                if time.time() > deadline_at:
+                    raise
+                log.warning("job %s: storing its outcome failed (%r); retrying", job_id, exc)
+                await asyncio.sleep(STORE_RETRY_DELAY)
 
     def _read(self, job_id: str, taken: Taken) -> EvaluationJob | None:
         """The job in the payload; None when it expired from the queue or cannot be read."""
@@ -325,7 +339,8 @@ def build_worker(settings: Settings) -> QueueWorker:
         "worker_id": worker_id,
         "engine": engine,
         "health": EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
-                                                                 timeout=settings.engine_health_timeout)),
+                                                                 timeout=settings.engine_health_timeout),
+                               last_answer=lambda: engine.last_answer_at),
         "slots": BranchSlots(settings.max_concurrent_branches),
         "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
                            max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
