@@ -72,6 +72,7 @@ def test_a_gguf_without_a_chat_template_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)  # a conversion plus transformers' own GGUF load, on a busy 2-core machine
 def test_streamed_conversion_gives_the_logits_of_transformers_own_gguf_loader(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
