@@ -105,7 +105,7 @@ class Settings(BaseSettings):
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     cpu_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        default="auto", description="The CPU engine's dtype; auto times both at load and keeps the faster.")
+        default="auto", description="The CPU engine's dtype; auto: bfloat16 where the CPU has bf16 instructions.")
     redis_dir: Path | None = Field(
         default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
         "defaults to <cache_dir>/redis. One Redis per directory.")

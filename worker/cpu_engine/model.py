@@ -315,21 +315,16 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
     """Load an HF-format model directory for CPU inference.
 
     `threads`: torch intra-op threads; default, every CPU this process may run on. `dtype`: float32,
-    bfloat16, or auto: time a prompt in both on this machine and keep the faster (CPUs differ: bfloat16
-    wins where the matmuls have bf16 kernels or memory bandwidth bounds them, float32 elsewhere).
+    bfloat16, or auto (`_preferred_dtype`: bfloat16 only where the CPU has bf16 instructions).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads or _usable_cpus())
     started = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if dtype == "auto":
-        dtype = _faster_dtype(model)  # leaves the model in bfloat16
-        if dtype == "float32":  # read the weights again: bfloat16 → float32 would keep bfloat16's rounding
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    elif dtype == "bfloat16":
-        model.to(torch.bfloat16)  # in place, parameter by parameter: never two copies
+        dtype = _preferred_dtype()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     loaded = LoadedModel(model, tokenizer, Path(model_dir), served_name or Path(model_dir).name,
                          _cache_argument(model))
@@ -339,25 +334,18 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
     return loaded
 
 
-def _faster_dtype(model: PreTrainedModel) -> CpuDtype:
-    """float32 or bfloat16, whichever runs a 32-token prompt faster here (best of three); the float32
-    model is converted in place and left in bfloat16."""
-    import torch
+def _preferred_dtype() -> CpuDtype:
+    """bfloat16 where the CPU has bf16 matmul instructions (AVX512-BF16, AMX), else float32.
 
-    prompt = torch.arange(32).unsqueeze(0) % model.config.vocab_size
-    seconds: dict[CpuDtype, float] = {}
-    with torch.inference_mode():
-        for name, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            model.to(torch_dtype)
-            model(input_ids=prompt[:, :4], logits_to_keep=1)  # kernel setup
-            runs = []
-            for _ in range(3):
-                begun = time.perf_counter()
-                model(input_ids=prompt, logits_to_keep=1)
-                runs.append(time.perf_counter() - begun)
-            seconds[name] = min(runs)
-    log.info("32-token prompt: float32 %.3f s, bfloat16 %.3f s", seconds["float32"], seconds["bfloat16"])
-    return "bfloat16" if seconds["bfloat16"] < seconds["float32"] else "float32"
+    Measured on this project's AVX2-only machines (bench/RESULTS-quality.md): bfloat16 prompts ran slower
+    than float32 there, so only native support picks it; the choice is fixed per machine, so the same
+    machine always computes the same numbers.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
 def _cache_argument(model: PreTrainedModel) -> str:
