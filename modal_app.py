@@ -4,7 +4,7 @@
     uv run modal run modal_app.py       # ephemeral: start, run `openjev smoke` on it, write smoke-result.json, stop
     uv run modal deploy modal_app.py    # the persistent endpoint
 
-OPENJEV_PROFILE, OPENJEV_FRONTEND and OPENJEV_SERVED_MODEL_NAME are forwarded from the shell that runs
+OPENJEV_FRONTEND and OPENJEV_SERVED_MODEL_NAME are forwarded from the shell that runs
 `modal`. Other settings go in IMAGE_ENV below, or in Modal Secrets named (comma-separated) by
 OPENJEV_MODAL_SECRETS in that shell: for example OPENJEV_API_KEY, HF_TOKEN, or OPENJEV_REDIS_URL, which
 makes every replica share one Redis, so async jobs and prefix routing work across replicas.
@@ -51,7 +51,7 @@ MIN_CONTAINERS = 0  # 1 keeps a replica warm (billed while idle) so no client ev
 MAX_INPUTS = 1000  # requests one replica accepts at once; the API queues them and sheds with 529 itself
 TARGET_INPUTS = 64  # Modal adds a replica past this: four times the jobs one worker runs at once
 
-FORWARDED_ENV = ("OPENJEV_PROFILE", "OPENJEV_FRONTEND", "OPENJEV_SERVED_MODEL_NAME")
+FORWARDED_ENV = ("OPENJEV_FRONTEND", "OPENJEV_SERVED_MODEL_NAME")
 SECRETS_ENV = "OPENJEV_MODAL_SECRETS"
 IMAGE_ENV = {
     # Weights and every compile cache live on the Volume, so a new replica skips the download and the JIT work.

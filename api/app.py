@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from fastapi import FastAPI
 
+from api.auth import KeyGate
 from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.jobs import router as jobs_router
 from api.metrics import ApiMetrics
 from api.middleware import BodyGate, RequestContext
+from api.openapi import install_openapi
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from api.routes import router
@@ -80,7 +82,10 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
     app.include_router(router)
     app.include_router(jobs_router)
     install_docs(app)
-    app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes)
+    install_openapi(app, settings)
+    # Outermost first: the request id, then the key (before any body is read), then the body gate.
+    app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    app.add_middleware(KeyGate, key=settings.api_key)
     app.add_middleware(RequestContext)
     return app
 

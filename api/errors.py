@@ -8,6 +8,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
+
+from api.strict_json import printable
 
 
 class ApiError(Exception):
@@ -105,7 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        errors = [{"loc": [printable(step) if isinstance(step, str) else step for step in e["loc"]],
+                   "msg": printable(str(e["msg"])), "type": e["type"]} for e in exc.errors()]
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     @app.exception_handler(RedisError)
@@ -116,6 +120,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(unavailable.status, unavailable.error_type, unavailable.message, unavailable.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, kind, str(exc.detail), dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        allowed = allowed_methods(request) if exc.status_code == 405 else None
+        if allowed:
+            headers["Allow"] = allowed
+        return error_response(exc.status_code, kind, str(exc.detail), headers)
+
+
+def allowed_methods(request: Request) -> str | None:
+    """The methods the schema declares at this path (Starlette names only the first route that matched)."""
+    for template, operations in request.app.openapi()["paths"].items():
+        pattern, _, _ = compile_path(template)
+        if pattern.match(request.scope["path"]):
+            return ", ".join(sorted(method.upper() for method in operations))
+    return None

@@ -1,8 +1,9 @@
 """ASGI middleware: a request id and JSON on every response (500s included), and the request
-body gate (size limit on the decompressed bytes, zstd and gzip bodies)."""
+body gate (read timeout, size limit on the decompressed bytes, zstd and gzip bodies, strict JSON)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import orjson
 import zstandard
 
+from api.strict_json import BodyRejected, read_json
 from common.jobs import new_request_id
 
 log = logging.getLogger("openjev.api")
@@ -82,12 +84,15 @@ class RequestContext:
 
 
 class BodyGate:
-    """Reads the whole body once: decompresses `Content-Encoding: zstd|gzip`, refuses more than
-    `max_bytes` after decompression with 413, then replays the plain body to the app."""
+    """Reads the whole body once, within `timeout` seconds: decompresses `Content-Encoding:
+    zstd|gzip` (exactly one gzip member or zstd frame, nothing after it), refuses more than
+    `max_bytes` after decompression with 413, refuses JSON the contract cannot carry (duplicate keys,
+    non-finite numbers, lone surrogates, deep nesting) with 422, then replays the plain body."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -100,13 +105,28 @@ class BodyGate:
                 "invalid_request_error", f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none"))
             return
         try:
-            body = await self._read(receive, encoding)
+            async with asyncio.timeout(self.timeout):
+                body = await self._read(receive, encoding)
+            if _is_json(headers.get(b"content-type")):
+                read_json(body)
+        except TimeoutError:
+            await send_json(send, 408, error_body(
+                "request_timeout", f"the request body did not arrive within {self.timeout:g} s"),
+                [(b"connection", b"close")])
+            return
         except _TooLarge:
             await send_json(send, 413, error_body(
                 "request_too_large", f"request body exceeds {self.max_bytes} bytes (after decompression)"))
             return
         except _BadEncoding as exc:
             await send_json(send, 400, error_body("invalid_request_error", str(exc)))
+            return
+        except BodyRejected as exc:
+            if exc.status != 422:  # bytes that are not text at all: an encoding error, not a field's
+                await send_json(send, exc.status, error_body("invalid_request_error", exc.message))
+                return
+            await send_json(send, 422, orjson.dumps({"detail": [
+                {"loc": ["body", *exc.loc], "msg": exc.message, "type": exc.kind}]}))
             return
         scope["headers"] = [(k, v) for k, v in scope["headers"]
                             if k not in (b"content-encoding", b"content-length")]
@@ -142,10 +162,7 @@ class BodyGate:
         raw = b"".join(chunks)
         if encoding in ("identity", ""):
             return raw
-        plain = _decompress(raw, encoding, self.max_bytes + 1)
-        if len(plain) > self.max_bytes:
-            raise _TooLarge
-        return plain
+        return _decompress(raw, encoding, self.max_bytes)
 
 
 class _TooLarge(Exception):
@@ -156,13 +173,44 @@ class _BadEncoding(Exception):
     pass
 
 
-def _decompress(raw: bytes, encoding: str, at_most: int) -> bytes:
-    """Decompress, producing no more than `at_most` bytes however large the content claims to be."""
+def _is_json(content_type: bytes | None) -> bool:
+    # FastAPI reads a body as JSON under these types (a missing type is refused by the route).
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
+    """The one gzip member or zstd frame in `raw`, at most `limit` bytes of it, with nothing after it."""
     try:
-        if encoding == "zstd":
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
-                return reader.read(at_most)
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        return inflater.decompress(raw, at_most)
+        plain, complete, rest = _zstd(raw, limit) if encoding == "zstd" else _gzip(raw, limit)
     except (zstandard.ZstdError, zlib.error) as exc:
         raise _BadEncoding(f"body is not valid {encoding}: {exc}") from exc
+    if len(plain) > limit:
+        raise _TooLarge
+    if not complete:
+        raise _BadEncoding(f"the {encoding} body is truncated: it ends before its end marker")
+    if rest:
+        unit = "frame" if encoding == "zstd" else "member"
+        raise _BadEncoding(f"{len(rest)} bytes follow the {encoding} {unit}; "
+                           f"send exactly one {unit} and nothing after it")
+    return plain
+
+
+def _gzip(raw: bytes, limit: int) -> tuple[bytes, bool, bytes]:
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    plain = inflater.decompress(raw, limit + 1)
+    return plain, inflater.eof, inflater.unused_data
+
+
+def _zstd(raw: bytes, limit: int) -> tuple[bytes, bool, bytes]:
+    # The stream reader bounds the output (a frame may claim any size); once the first frame is known
+    # to fit, decompressobj decodes it again and reports whether it ended and what follows it.
+    with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=False) as reader:
+        bounded = reader.read(limit + 1)
+    if len(bounded) > limit:
+        return bounded, True, b""
+    frame = zstandard.ZstdDecompressor().decompressobj()
+    plain = frame.decompress(raw)
+    return plain, frame.eof, frame.unused_data

@@ -30,7 +30,7 @@ class JobPreparer:
 
     def check_request(self, request: SystemOneRequest) -> None:
         """Model name and size limits; cheap, so run before tokenizing anything."""
-        if request.model not in self.settings.accepted_model_names:
+        if not self.settings.accepts_model(request.model):
             raise UnknownModel(request.model)
         if len(request.questions) > self.settings.max_questions:
             raise invalid(["questions"], f"{len(request.questions)} questions exceed the limit of "
@@ -46,7 +46,7 @@ class JobPreparer:
         try:
             compiled = self.compiler.compile(request, self._rotations(request))
         except UnsupportedContent as exc:
-            raise invalid(list(exc.loc), exc.message, "unsupported_content") from exc
+            raise invalid(list(exc.loc[1:]), exc.message, "unsupported_content") from exc  # loc starts at "body"
         self._check_budgets(compiled)
         now = time.time()
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
+from typing_extensions import TypeAliasType
 
 JSON = Any
 """A description, instructions or state: null, string, number, object or array, kept as sent."""
+
+INTEGER_RANGE = (-(2**63), 2**64 - 1)
+"""Integers the job queue's JSON carries exactly; a score level is echoed, so its integers must fit."""
+
+State = Annotated[JSON, WithJsonSchema({
+    "anyOf": [{"type": "string"}, {"type": "object"}, {"type": "array"}],
+    "description": "A string, a list of chat messages, `{messages: [...]}` or any JSON object or array."})]
+
+_EchoedInt = Annotated[int, Field(ge=INTEGER_RANGE[0], le=INTEGER_RANGE[1])]
+EchoedJson = TypeAliasType(  # type: ignore[misc]
+    "EchoedJson", "str | bool | _EchoedInt | float | list[EchoedJson] | dict[str, EchoedJson] | None")
+"""JSON that comes back exactly as sent (its integers fit in 64 bits)."""
+ScoreLevel = TypeAliasType(  # type: ignore[misc]
+    "ScoreLevel", "str | bool | _EchoedInt | float | list[EchoedJson] | dict[str, EchoedJson]")
+"""One level of a score question: any JSON but null, echoed in the legend exactly."""
 
 
 class _Lenient(BaseModel):
@@ -35,7 +51,7 @@ class ChoiceQuestion(_Lenient):
 
     type: Literal["choice"]
     instructions: JSON = None
-    criteria: dict[str, JSON]
+    criteria: dict[str, JSON] = Field(json_schema_extra={"minProperties": 1})
 
     @field_validator("criteria")
     @classmethod
@@ -50,16 +66,35 @@ class ScoreQuestion(_Lenient):
 
     type: Literal["score"]
     instructions: JSON = None
-    criteria: list[JSON]
+    criteria: list[ScoreLevel] = Field(json_schema_extra={"minItems": 2})
 
-    @field_validator("criteria")
+    @field_validator("criteria", mode="before")
     @classmethod
-    def _levels_are_described(cls, levels: list[JSON]) -> list[JSON]:
+    def _levels_are_described(cls, levels: Any) -> Any:
+        # Before validation: pydantic would turn a too-large integer into a float, not refuse it.
+        if not isinstance(levels, list):
+            return levels
         if len(levels) < 2:
             raise ValueError("a score question needs at least two levels in `criteria`, lowest first")
         if any(level is None for level in levels):
             raise ValueError("score levels must not be null: the legend echoes each level")
+        for i, level in enumerate(levels):
+            _require_echoable(level, f"level {i}")
         return levels
+
+
+def _require_echoable(value: JSON, where: str) -> None:
+    """Refuse integers the legend could not echo exactly (they would come back rounded)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and not INTEGER_RANGE[0] <= item <= INTEGER_RANGE[1]:
+            raise ValueError(f"{where} holds the integer {item}, beyond 64 bits: the legend echoes levels exactly, "
+                             "so send such a number as a string")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
@@ -69,17 +104,19 @@ class SystemOneRequest(_Lenient):
     """The body of `POST /v1/systemone` (and of `POST /v1/jobs`)."""
 
     model: str = Field(examples=["jev-latest"])
-    state: JSON = Field(description="A string, a list of chat messages, `{messages: [...]}` or any JSON value.")
+    state: State
     questions: dict[str, Question] = Field(min_length=1)
-    x_debias: bool | None = Field(
+    x_debias: StrictBool | None = Field(
         default=None, description="openjev: average each choice/score answer over cyclic rotations of its options "
         "(label-order debiasing; costs one branch per rotation). Omitted: the server's `OPENJEV_DEBIAS`.")
 
     @field_validator("state")
     @classmethod
-    def _state_present(cls, state: JSON) -> JSON:
-        if state is None:
-            raise ValueError("`state` must not be null: send the text or messages to evaluate")
+    def _state_is_text_or_structure(cls, state: JSON) -> JSON:
+        if not isinstance(state, str | dict | list):
+            kind = "null" if state is None else "a boolean" if isinstance(state, bool) else "a number"
+            raise ValueError(f"`state` must be a string, an object or an array, not {kind}: "
+                             "send the text or messages to evaluate")
         return state
 
 

@@ -37,7 +37,7 @@ QUESTION_INTRO = "Read everything above, then answer the multiple-choice questio
 QUESTION_SLOT = "[[openjev:question]]"
 DEFAULT_INSTRUCTIONS = "Which option fits best?"
 
-_ROLES = frozenset({"system", "user", "assistant"})
+_ROLES = ("system", "user", "assistant", "tool")  # the seed's roles; tool turns go through the template too
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 _MEDIA_KINDS = {
     "image": "image",
@@ -211,7 +211,8 @@ def _is_message_list(value: Any) -> bool:
 
 
 def _is_message(item: Any) -> bool:
-    if not isinstance(item, dict) or item.get("role") not in _ROLES:
+    # Any string role makes a message, so an unknown one is refused rather than serialised as data.
+    if not isinstance(item, dict) or not isinstance(item.get("role"), str):
         return False
     content = item.get("content")
     if isinstance(content, list):
@@ -221,9 +222,16 @@ def _is_message(item: Any) -> bool:
 
 def _text_messages(messages: list[dict[str, Any]], loc: Loc) -> list[dict[str, str]]:
     return [
-        {"role": message["role"], "content": _message_text(message["content"], (*loc, i, "content"))}
+        {"role": _role(message["role"], (*loc, i, "role")), "content": _message_text(message["content"],
+                                                                                      (*loc, i, "content"))}
         for i, message in enumerate(messages)
     ]
+
+
+def _role(role: str, loc: Loc) -> str:
+    if role not in _ROLES:
+        raise UnsupportedContent(f"{_path(loc)}: {role!r} is not a chat role; use one of {', '.join(_ROLES)}", loc)
+    return role
 
 
 def _message_text(content: str | list[dict[str, Any]], loc: Loc) -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Frontend(StrEnum):
@@ -45,7 +46,6 @@ class Settings(BaseSettings):
     model: str = "nvidia/Qwen3.6-35B-A3B-NVFP4"
     served_model_name: str = "Qwen/Qwen3.6-35B-A3B"
     revision: str | None = None
-    profile: str = "default"
     frontend: Frontend = Frontend.rust
     sglang_device: SglangDevice = Field(
         default=SglangDevice.cuda, description="Where a launched SGLang computes; cpu adds the CPU engine's flags.")
@@ -55,8 +55,20 @@ class Settings(BaseSettings):
     tokenizer: str | None = Field(
         default=None, description="Tokenizer path or hub id; defaults to `model`. Must match the engine's."
     )
-    model_aliases: list[str] = Field(default_factory=lambda: ["jev-latest"])
-    model_release_date: str = "2026-04-16"
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["jev-*"],
+        description="Model names a request may send besides the served one, comma-separated; a trailing `*` "
+        "accepts every name it begins (the default `jev-*`: jev-latest and every pinned jev-1.13.0, jev-preview…).")
+    model_release_date: str = Field(default="2026-04-16", description="`release_date` reported by /v1/models.")
+
+    # The front door: limits the API server enforces on every connection (`openjev api`), in nginx's spirit.
+    max_header_bytes: int = Field(default=32768, ge=1024, description="Request line and headers; beyond: 431.")
+    header_timeout: float = Field(default=10.0, gt=0, description="Seconds for a request's headers to arrive; "
+                                  "beyond: 408 and the connection is closed.")
+    body_timeout: float = Field(default=30.0, gt=0, description="Seconds for a request's whole body to arrive; "
+                                "beyond: 408.")
+    keep_alive_timeout: int = Field(default=75, ge=1, description="Seconds an idle keep-alive connection is kept.")
+    max_connections: int = Field(default=1024, ge=1, description="Open connections; one more is answered 503.")
 
     # Admission limits, enforced in the API before any GPU work.
     max_input_tokens: int = Field(default=32768, ge=16, description="Per branch, including the output token.")
@@ -115,9 +127,28 @@ class Settings(BaseSettings):
     engine_health_timeout: float = Field(
         default=30.0, gt=0, description="Seconds a health probe waits; SGLang's /health may take 20 s under load.")
 
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _split_aliases(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [a.strip() for a in text.split(",") if a.strip()]
+        return value
+
+    def accepts_model(self, name: str) -> bool:
+        """Whether a request may name `name`: the served model, an alias, or a name an alias pattern begins."""
+        if name == self.served_model_name or name in self.model_aliases:
+            return True
+        return any(a.endswith("*") and name.startswith(a[:-1]) for a in self.model_aliases)
+
     @property
-    def accepted_model_names(self) -> set[str]:
-        return {self.served_model_name, *self.model_aliases}
+    def listed_model_names(self) -> list[str]:
+        """The names /v1/models lists: the served model, then `jev-latest` and every exact alias accepted."""
+        names = [self.served_model_name]
+        for name in ["jev-latest", *self.model_aliases]:
+            if not name.endswith("*") and name not in names and self.accepts_model(name):
+                names.append(name)
+        return names
 
     @property
     def tokenizer_source(self) -> str:

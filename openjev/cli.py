@@ -56,7 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds to wait for /health to answer 200 (default 600)")
     smoke.set_defaults(run=_smoke)
 
-    api = sub.add_parser("api", help="run the HTTP API alone (needs Redis and live workers)")
+    api = sub.add_parser("api", help="run the HTTP API alone (needs Redis and live workers)",
+                         description="Run the HTTP API alone (needs Redis and live workers). Its front door "
+                                     "limits each connection: OPENJEV_MAX_HEADER_BYTES (431), OPENJEV_HEADER_TIMEOUT "
+                                     "and OPENJEV_BODY_TIMEOUT (408), OPENJEV_KEEP_ALIVE_TIMEOUT, "
+                                     "OPENJEV_MAX_CONNECTIONS (503).")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
     api.set_defaults(run=_api)
@@ -152,9 +156,11 @@ def _api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from api.front_door import uvicorn_options
 
-    uvicorn.run(create_app(get_settings()), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    settings = get_settings()
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=5, **uvicorn_options(settings))
     return 0
 
 

@@ -104,7 +104,7 @@ class RedisServer:
         # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
         argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
-                "--logfile", str(self.data_dir / LOG_FILE), "--loglevel", "warning", "-"]
+                "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                    pass_fds=(self._lock_fd,))
@@ -122,7 +122,7 @@ class RedisServer:
         try:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self._log()}")
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.log_path}")
                 try:
                     if client.ping():
                         return
@@ -130,7 +130,7 @@ class RedisServer:
                     time.sleep(0.05)
         finally:
             client.close()
-        raise RuntimeError(f"redis-server did not answer within {timeout:g} s; see {self._log()}")
+        raise RuntimeError(f"redis-server did not answer within {timeout:g} s; see {self.log_path}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (Redis fsyncs its append-only file and exits), SIGKILL if it takes too long."""
@@ -143,7 +143,8 @@ class RedisServer:
                 process.kill()
                 process.wait()
 
-    def _log(self) -> Path:
+    @property
+    def log_path(self) -> Path:
         return self.data_dir / LOG_FILE
 
 

@@ -112,7 +112,8 @@ class Supervisor:
         server = RedisServer.on(self.settings.embedded_redis_dir)
         try:
             process = server.start()
-            self.children.append(Child("redis", [], {}, restart="in place: same port, data and password",
+            self.children.append(Child("redis", [], {}, restart=f"in place: same port, data and password; "
+                                                                f"its log: {server.log_path}",
                                        launch=server.start, process=process))
             server.wait_ready()
         except (DataDirInUse, RuntimeError) as exc:

@@ -74,12 +74,11 @@ def test_replicas_scale_to_zero_after_five_idle_minutes() -> None:
     assert concurrency["max_inputs"] > concurrency["target_inputs"] > 0
 
 
-def test_only_profile_frontend_and_served_name_are_forwarded_from_the_deploying_shell() -> None:
-    assert modal_app.FORWARDED_ENV == ("OPENJEV_PROFILE", "OPENJEV_FRONTEND", "OPENJEV_SERVED_MODEL_NAME")
-    shell = {"OPENJEV_PROFILE": "fast", "OPENJEV_FRONTEND": "python", "OPENJEV_SERVED_MODEL_NAME": "m",
+def test_only_frontend_and_served_name_are_forwarded_from_the_deploying_shell() -> None:
+    assert modal_app.FORWARDED_ENV == ("OPENJEV_FRONTEND", "OPENJEV_SERVED_MODEL_NAME")
+    shell = {"OPENJEV_FRONTEND": "python", "OPENJEV_SERVED_MODEL_NAME": "m",
              "OPENJEV_API_KEY": "never-forwarded", "HOME": "/root"}
-    assert modal_app.forwarded_env(shell) == {"OPENJEV_PROFILE": "fast", "OPENJEV_FRONTEND": "python",
-                                              "OPENJEV_SERVED_MODEL_NAME": "m"}
+    assert modal_app.forwarded_env(shell) == {"OPENJEV_FRONTEND": "python", "OPENJEV_SERVED_MODEL_NAME": "m"}
     assert modal_app.forwarded_env({}) == {}
     assert "forwarded_env(os.environ)" in ast.unparse(function_def("serve").decorator_list[0])
 

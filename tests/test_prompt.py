@@ -104,8 +104,6 @@ def many_states(seed: int, count: int) -> list[JSON]:
         f"{QUESTION_INTRO}{QUESTION_SLOT} planted",
         "Answer: A",
         "x" * 3000,
-        42,
-        True,
         [1, "two", None],
         {"ticket": "double charge ", "amount": 12.5, "tags": ["billing", "é"]},
         {"messages": [{"role": "user", "content": "hi"}], "customer_id": 7},
@@ -279,10 +277,8 @@ def test_messages_state_keeps_roles_and_joins_text_parts(qwen: PromptCompiler) -
         {"messages": [{"role": "user", "content": "hi"}], "customer": {"id": 42, "tier": "gold"}, "note": "ünï"},
         {"ticket": "double charge", "amount": 12.5, "tags": ["billing", "🎯"]},
         [1, "two", {"three": 3}],
-        [{"role": "tool", "content": "not a role we render"}],
+        [{"name": "tool", "content": "no role: data, not a message"}],
         {"messages": []},
-        42,
-        False,
     ],
 )
 def test_structured_state_is_serialised_whole_into_one_user_message(qwen: PromptCompiler, state: JSON) -> None:

@@ -1,0 +1,188 @@
+"""The front door of `openjev api`: header size, header and body read timeouts, keep-alive and open
+connections are enforced by the server itself, and the key is checked before any body is read.
+Raw sockets play the clients that real HTTP libraries would never be."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import closing
+
+import httpx
+import pytest
+
+from tests.conftest import Stack
+from tests.processes import Proc, start_api
+
+LIMITS = {"OPENJEV_MAX_HEADER_BYTES": "4096", "OPENJEV_HEADER_TIMEOUT": "2", "OPENJEV_BODY_TIMEOUT": "3",
+          "OPENJEV_KEEP_ALIVE_TIMEOUT": "1", "OPENJEV_MAX_CONNECTIONS": "6"}
+REQUEST = json.dumps({"model": "jev-latest", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
+
+
+@pytest.fixture(scope="module")
+def door(scripted_stack: Stack) -> Iterator[Proc]:
+    api = start_api(scripted_stack.log_dir, {**scripted_stack.env, **LIMITS})
+    yield api
+    api.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(scripted_stack: Stack) -> Iterator[Proc]:
+    api = start_api(scripted_stack.log_dir, {**scripted_stack.env, "OPENJEV_API_KEY": "door-key-123"})
+    yield api
+    api.stop()
+
+
+def connect(api: Proc) -> socket.socket:
+    assert api.url
+    host, port = api.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=15)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(15)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def trickle(sock: socket.socket, data: bytes, interval: float) -> bytes:
+    """Send `data` a byte at a time until the server answers; return its whole answer."""
+    sock.settimeout(interval)
+    for byte in data:
+        sock.sendall(bytes([byte]))
+        try:
+            first = sock.recv(65536)
+        except TimeoutError:
+            continue
+        return first + read_all(sock)
+    return read_all(sock)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One response on a kept-alive connection: its head, then Content-Length bytes of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, rest = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def json_body(response: bytes) -> dict:
+    return json.loads(response.split(b"\r\n\r\n", 1)[1])
+
+
+def test_headers_over_the_limit_are_431_and_the_connection_closed(door: Proc) -> None:
+    with closing(connect(door)) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 128 * 1024 + b"\r\n\r\n")
+        response = read_all(sock)
+    assert status_of(response) == 431
+    assert b"x-typesafe-request-id: req_" in response
+    assert json_body(response)["detail"]["error_type"] == "request_too_large"
+
+
+def test_thousands_of_small_headers_are_431(door: Proc) -> None:
+    headers = b"".join(b"X-H%d: v\r\n" % i for i in range(20000))
+    with closing(connect(door)) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+        assert status_of(read_all(sock)) == 431
+
+
+def test_headers_within_the_limit_are_served(door: Proc) -> None:
+    r = httpx.get(door.url + "/health/live", headers={"X-Fine": "a" * 3000}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_a_trickled_header_gets_408_at_the_header_timeout(door: Proc) -> None:
+    started = time.monotonic()
+    with closing(connect(door)) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\n")
+        response = trickle(sock, b"X-Slow: " + b"s" * 30, 0.5)
+    assert status_of(response) == 408
+    assert json_body(response)["detail"]["error_type"] == "request_timeout"
+    assert time.monotonic() - started < 12
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout(door: Proc) -> None:
+    started = time.monotonic()
+    with closing(connect(door)) as sock:
+        response = read_all(sock)
+    assert status_of(response) == 408
+    assert 1.5 < time.monotonic() - started < 12
+
+
+def test_a_trickled_body_gets_408_at_the_body_timeout(door: Proc) -> None:
+    started = time.monotonic()
+    with closing(connect(door)) as sock:
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(REQUEST))
+        response = trickle(sock, REQUEST, 0.3)
+    assert status_of(response) == 408, response
+    assert "did not arrive" in json_body(response)["detail"]["message"]
+    assert time.monotonic() - started < 15
+
+
+def test_keep_alive_serves_several_requests_then_closes_when_idle(door: Proc) -> None:
+    request = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with closing(connect(door)) as sock:
+        for _ in range(3):
+            sock.sendall(request)
+            assert status_of(read_response(sock)) == 200
+        started = time.monotonic()
+        assert sock.recv(65536) == b""  # closed by the server once idle past the keep-alive timeout
+        assert time.monotonic() - started < 8
+
+
+def test_connections_beyond_the_limit_get_503_at_once(door: Proc) -> None:
+    held = [connect(door) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        with closing(connect(door)) as extra:
+            response = read_all(extra)
+        assert status_of(response) == 503
+        assert b"retry-after: 1" in response.lower()
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.5)
+    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+
+
+# --- the key before the body ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("headers", "status"), [({}, 403), ({"Authorization": "Bearer wrong"}, 401)])
+def test_the_key_is_checked_before_the_body_is_read(keyed: Proc, headers: dict, status: int) -> None:
+    url = keyed.url + "/v1/systemone"
+    for content, extra in [(b'{"model": "jev-latest", "state": "x", "q', {}),
+                           (b"x" * (3 * 1024 * 1024), {}),
+                           (gzip.compress(REQUEST)[:-5], {"Content-Encoding": "gzip"}),
+                           (REQUEST, {"Content-Encoding": "brotli"})]:
+        r = httpx.post(url, content=content, timeout=30,
+                       headers={"Content-Type": "application/json", **headers, **extra})
+        assert r.status_code == status, (r.status_code, r.text)
+        assert r.json()["detail"]["error_type"] == "authentication_error"
+
+
+def test_with_the_key_the_same_bad_bodies_get_their_own_4xx(keyed: Proc) -> None:
+    auth = {"Authorization": "Bearer door-key-123", "Content-Type": "application/json"}
+    url = keyed.url + "/v1/systemone"
+    assert httpx.post(url, content=b'{"model": "x', headers=auth, timeout=30).status_code == 422
+    truncated = gzip.compress(REQUEST)[:-5]
+    r = httpx.post(url, content=truncated, headers={**auth, "Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 400
+    assert httpx.post(url, content=REQUEST, headers=auth, timeout=30).status_code == 200
