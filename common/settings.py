@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
                                       "min(options, this); below the option count invariance is approximate.")
     prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
-                                      "answer marker (bench/RESULTS-quality.md compares them).")
+                                      "answer marker; bench/quality.py measures either.")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
                                      "temperatures applied to each answer's distribution.")
 
