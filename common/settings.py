@@ -33,7 +33,7 @@ class ConfidenceMode(StrEnum):
 
 
 class PromptStyle(StrEnum):
-    inline = "inline"  # "Answer:" then the label with its leading space (" A"): the default, kept on evidence
+    inline = "inline"  # "Answer:" then the label with its leading space (" A"): the default
     newline = "newline"  # "Answer:", a newline, then the bare label ("A"): the alternative measured against it
 
 
