@@ -21,8 +21,8 @@ from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from api.routes import router
 from common.jobs import deserialize, serialize
-from common.jobstore import JobStore
 from common.prompt import PromptCompiler
+from common.queue.records import JobStore
 from common.settings import Settings
 
 DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
@@ -60,7 +60,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         redis = await create_pool(_redis_settings(settings), job_serializer=serialize, job_deserializer=deserialize)
         waiter = CompletionWaiter(redis)
         await waiter.start()
-        store = JobStore(redis, settings.job_result_ttl)
+        store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
         app.state.services = Services(
             settings=settings,
             preparer=preparer or build_preparer(settings),

@@ -68,6 +68,13 @@ class DeadlineExceeded(ApiError):
     error_type = "timeout_error"
 
 
+class ClientDisconnected(ApiError):
+    """The client hung up before its answer: nobody reads the response, but logs and metrics say 499."""
+
+    status = 499
+    error_type = "cancelled"
+
+
 class JobNotFound(ApiError):
     status = 404
     error_type = "not_found_error"

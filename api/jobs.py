@@ -14,14 +14,15 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, JobLost, JobNotFound
-from common import keys
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
 from common.jobs import JobStatus, job_created_at
-from common.jobstore import JobRecord
+from common.queue.placement import IdempotencyClaim
+from common.queue.records import JobRecord
 
 router = APIRouter(tags=["Async jobs"])
 
 MAX_WAIT = 30.0  # seconds a GET may hold the request open
+OVERDUE_GRACE = 5.0  # seconds past its deadline a pending job is declared expired by whoever reads it
 CLOCK_SLACK = 5.0  # seconds the API replicas' clocks may disagree about a job id's creation time
 
 
@@ -55,18 +56,11 @@ async def submit_job(request: Request, response: Response,
     job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
                                   services.settings.job_timeout)
     request.state.job_id = job.id
-    if idempotency_key is not None:
-        existing = await _claim_idempotency(request, idempotency_key, job.id, body)
-        if existing is not None:
-            return _located(response, _view(existing), status=200)
-    try:
-        await services.queue.submit(job)
-    except ApiError:
-        if idempotency_key is not None:
-            await services.redis.delete(keys.idempotency_key(idempotency_key))
-        raise
-    record = await services.queue.store.get(job.id)
-    return _located(response, _view(record), status=202)
+    claim = None if idempotency_key is None else IdempotencyClaim(idempotency_key, _digest(body))
+    submitted = await services.queue.submit(job, idempotency=claim)
+    if submitted.held is not None:
+        return _located(response, _view(await _held_job(request, submitted.held, claim)), status=200)
+    return _located(response, _view(await _record(request, job.id)), status=202)
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, response_model_exclude_none=True,
@@ -81,7 +75,7 @@ async def get_job(request: Request, job_id: str,
     queue = request.app.state.services.queue
     record = await _record(request, job_id)
     if not record.status.terminal and wait > 0:
-        await queue.wait(job_id, min(wait, max(0.0, record.deadline_at - time.time()) + 1.0))
+        await queue.wait(job_id, wait)
         record = await _record(request, job_id)
     return _view(await _expire_if_overdue(request, record))
 
@@ -91,13 +85,14 @@ async def cancel_job(request: Request, job_id: str) -> Any:
     """Ends a queued or running job as `cancelled` and aborts its engine calls; a finished job is unchanged."""
     queue = request.app.state.services.queue
     await _record(request, job_id)
-    await queue.cancel(job_id, JobStatus.cancelled, "cancelled", "the job was cancelled by its owner", 499)
+    if await queue.cancel(job_id, JobStatus.cancelled, "cancelled", "the job was cancelled by its owner", 499):
+        request.app.state.metrics.observe_ending(JobStatus.cancelled)
     return _view(await _record(request, job_id))
 
 
 async def _record(request: Request, job_id: str) -> JobRecord:
     services = request.app.state.services
-    record = await services.queue.store.get(job_id)
+    record = await services.queue.get(job_id)
     if record is None:
         raise _missing(job_id, services.settings.job_result_ttl)
     return record
@@ -114,27 +109,28 @@ def _missing(job_id: str, result_ttl: int) -> ApiError:
 
 
 async def _expire_if_overdue(request: Request, record: JobRecord) -> JobRecord:
-    """A job still pending well past its deadline (its worker vanished) is reported, and recorded, as expired."""
-    if record.status.terminal or time.time() < record.deadline_at + 5.0:
+    """A job still pending well past its deadline (its worker vanished) is reported, and recorded, as
+    expired; the deadline is judged by Redis's clock, inside the ending script."""
+    if record.status.terminal:
         return record
     queue = request.app.state.services.queue
-    await queue.cancel(record.id, JobStatus.expired, "timeout_error", "the job did not finish before its deadline", 504)
-    return await _record(request, record.id)
+    if await queue.cancel(record.id, JobStatus.expired, "timeout_error", "the job did not finish before its deadline",
+                          504, after_deadline=OVERDUE_GRACE):
+        request.app.state.metrics.observe_ending(JobStatus.expired)
+        return await _record(request, record.id)
+    return record
 
 
-async def _claim_idempotency(request: Request, key: str, job_id: str, body: SystemOneRequest) -> JobRecord | None:
-    """Reserve `key` for `job_id`; if a job already holds it, return that job (409 if the body differs)."""
-    services = request.app.state.services
-    digest = hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:32]
-    redis_key = keys.idempotency_key(key)
-    ttl = int(services.settings.job_timeout) + services.settings.job_result_ttl
-    if await services.redis.set(redis_key, f"{job_id}:{digest}", nx=True, ex=ttl):
-        return None
-    held = (await services.redis.get(redis_key) or b"").decode()
+def _digest(body: SystemOneRequest) -> str:
+    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()[:32]
+
+
+async def _held_job(request: Request, held: str, claim: IdempotencyClaim | None) -> JobRecord:
+    """The job an Idempotency-Key already names (409 if it was submitted with a different body)."""
     held_id, _, held_digest = held.partition(":")
-    if held_digest != digest:
+    if claim is None or held_digest != claim.digest:
         raise IdempotencyConflict("this Idempotency-Key was already used with a different request body")
-    return await services.queue.store.get(held_id) or await _record(request, held_id)
+    return await _record(request, held_id)
 
 
 def _view(record: JobRecord | None) -> JobView:

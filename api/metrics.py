@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from common.jobs import JobOutcome
-from common.membership import WorkerInfo
+from common.jobs import JobOutcome, JobStatus
+from common.queue.membership import WorkerInfo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WORKER_FIGURES = {  # WorkerCounters field -> help text
@@ -33,7 +33,8 @@ class ApiMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.stages = Histogram("openjev_stage_seconds", "Evaluation latency by stage", ["stage"],
                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.outcomes = Counter("openjev_jobs", "Jobs this API saw end, by outcome", ["outcome"], registry=r)
+        self.outcomes = Counter("openjev_jobs", "Jobs this API ended itself (client hang-up, deadline, DELETE, "
+                                "overdue), by outcome; workers count the endings they store", ["outcome"], registry=r)
         self.prompt_tokens = Counter("openjev_prompt_tokens", "Prompt tokens of answered requests", registry=r)
         self.cached_tokens = Counter("openjev_cached_tokens", "Branch tokens served from the prefix cache",
                                      registry=r)
@@ -44,6 +45,9 @@ class ApiMetrics:
         self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
+        self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "
+                                    "(refused: it had ended or moved meanwhile), since the worker started",
+                                    ["worker", "outcome"], registry=r)
         self.worker_figures = {
             name: Gauge(f"openjev_worker_{name}", text + " (since the worker started)", ["worker"], registry=r)
             for name, text in WORKER_FIGURES.items()}
@@ -52,9 +56,12 @@ class ApiMetrics:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
 
-    def observe_outcome(self, outcome: JobOutcome, prepare_seconds: float) -> None:
-        """An evaluation's outcome and, when it succeeded, its stage timings and tokens."""
-        self.outcomes.labels(outcome.status.value).inc()
+    def observe_ending(self, status: JobStatus) -> None:
+        """A job this API ended (sync or async), counted where it ended."""
+        self.outcomes.labels(status.value).inc()
+
+    def observe_delivery(self, outcome: JobOutcome, prepare_seconds: float) -> None:
+        """A sync answer delivered: its stage timings and tokens."""
         if outcome.result is None:
             return
         t = outcome.timings
@@ -68,7 +75,7 @@ class ApiMetrics:
     def render(self, workers: list[WorkerInfo] | None, lengths: dict[str, int]) -> bytes:
         """The exposition text; `workers` None means Redis could not be read for this scrape."""
         self.redis_up.set(0 if workers is None else 1)
-        for gauge in (self.queue_depth, self.worker_running, *self.worker_figures.values()):
+        for gauge in (self.queue_depth, self.worker_running, self.worker_endings, *self.worker_figures.values()):
             gauge.clear()  # workers that left must not linger as stale series
         for worker in workers or []:
             self.queue_depth.labels(worker.id).set(lengths.get(worker.id, 0))
@@ -76,5 +83,7 @@ class ApiMetrics:
             counters = worker.counters.model_dump()
             for name, gauge in self.worker_figures.items():
                 gauge.labels(worker.id).set(counters.get(name, 0))
+            for outcome, count in worker.counters.endings.items():
+                self.worker_endings.labels(worker.id, outcome).set(count)
         self.live_workers.set(len(workers or []))
         return generate_latest(self.registry)

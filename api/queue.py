@@ -1,6 +1,6 @@
-"""The API's side of the queue: route a job to a worker and enqueue it (one script, api/dispatch.py),
-and learn of its completion by a pushed notice (one pub/sub subscription per process), with the job
-record as the truth."""
+"""The API's side of the queue: place a job (one script, common/queue/placement.py), learn of its
+end by a pushed notice ("<job id> <status>", one pub/sub subscription per process) with the job
+record as the truth, and end jobs the API gives up on. Redis errors become one 503 here."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import orjson
 from arq.connections import ArqRedis
-from arq.constants import abort_jobs_ss, job_key_prefix
 from arq.jobs import serialize_job
 from redis.exceptions import RedisError
 
-from api.dispatch import Dispatcher
 from api.errors import NoWorker, Overloaded, QueueUnavailable
-from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
-from common.jobstore import JobRecord, JobStore
-from common.membership import WorkerInfo, fleet
+from common.queue import keys
+from common.queue.membership import WorkerInfo, fleet
+from common.queue.placement import Dispatcher, IdempotencyClaim
+from common.queue.records import SYNC_KEEP, JobRecord, JobStore
 from common.settings import RoutingPolicy
 
 log = logging.getLogger("openjev.api")
@@ -31,11 +31,11 @@ RECHECK_INTERVAL = 1.0  # seconds between record checks, in case a completion no
 
 
 class CompletionWaiter:
-    """Resolves waiting requests when a worker publishes "<job id> <outcome JSON>" on the done channel."""
+    """Resolves waiting requests when a job's end is announced on the done channel."""
 
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
-        self._waiting: dict[str, set[asyncio.Future[bytes]]] = {}
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -47,13 +47,13 @@ class CompletionWaiter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def expect(self, job_id: str) -> asyncio.Future[bytes]:
-        """A future set to the outcome JSON when `job_id`'s end is announced; call `forget` when done."""
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    def expect(self, job_id: str) -> asyncio.Future[None]:
+        """A future resolved when `job_id`'s end is announced; call `forget` when done."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(job_id, set()).add(future)
         return future
 
-    def forget(self, job_id: str, future: asyncio.Future[bytes]) -> None:
+    def forget(self, job_id: str, future: asyncio.Future[None]) -> None:
         futures = self._waiting.get(job_id)
         if futures is not None:
             futures.discard(future)
@@ -74,14 +74,21 @@ class CompletionWaiter:
                 await asyncio.sleep(0.5)
 
     def _announce(self, notice: bytes) -> None:
-        job_id, _, outcome = notice.partition(b" ")
+        job_id, _, _status = notice.partition(b" ")
         for future in self._waiting.pop(job_id.decode(), ()):
             if not future.done():
-                future.set_result(outcome)
+                future.set_result(None)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A placed job (`held` None), or the job an idempotency key already names: "<job id>:<digest>"."""
+
+    held: str | None = None
 
 
 class JobQueue:
-    """Submits evaluation jobs to the routed worker's queue and waits for their outcome."""
+    """Places evaluation jobs on the routed worker's queue, waits for their outcome, ends them."""
 
     def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25,
                  routing: RoutingPolicy = RoutingPolicy.hash) -> None:
@@ -96,21 +103,23 @@ class JobQueue:
         with _reachable():
             return await fleet(self.redis)
 
-    async def submit(self, job: EvaluationJob) -> str:
-        """Route and enqueue `job` in one step (api/dispatch.py); returns the queue it went to.
-        The job is arq's, as `enqueue_job` writes it, without its WATCH/EXISTS guard (which only
-        protects caller-chosen ids; ours are fresh and random)."""
+    async def submit(self, job: EvaluationJob, sync: bool = False,
+                     idempotency: IdempotencyClaim | None = None) -> Submitted:
+        """Place `job` in one step (with its idempotency claim, if any). A sync job's record is kept
+        only briefly past its deadline: its caller collects it at once; an async one's for the result
+        TTL. The job is arq's, as `enqueue_job` writes it, under its placement's arq job id."""
         now_ms = int(time.time() * 1000)
         # The job is already JSON-shaped: pydantic-core writes it, orjson embeds it as is.
         payload = serialize_job(keys.JOB_FUNCTION, (orjson.Fragment(job.model_dump_json()),), {}, None, now_ms,
                                 serializer=serialize)
-        fields, ttl = self.store.new_record(job.request_id, job.created_at, job.deadline_at)
+        record = {"status": JobStatus.queued.value, "request_id": job.request_id, "route_key": job.prefix_hash,
+                  "kind": "sync" if sync else "async"}
         remaining = job.remaining()
         with _reachable():
-            placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, keys.job_key(job.id), fields,
-                                                 ttl, job_key_prefix + job.id, payload)
-        if placed.queue is not None:
-            return placed.queue
+            placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, record,
+                                                 SYNC_KEEP if sync else self.store.result_ttl, payload, idempotency)
+        if placed.queue is not None or placed.held is not None:
+            return Submitted(held=placed.held)
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})
@@ -120,61 +129,55 @@ class JobQueue:
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
     async def run(self, job: EvaluationJob, timeout: float) -> JobOutcome | None:
-        """Submit `job` and wait for its outcome; None if `timeout` seconds pass first. The notice
-        is expected before the job is enqueued, so nothing needs reading back on the way."""
+        """Submit `job` as a sync job and wait for its outcome, which is then removed from Redis (no
+        one else can read it); None if `timeout` seconds pass first. The notice is expected before
+        the job is placed, so nothing is read before it arrives."""
         future = self.waiter.expect(job.id)
         try:
-            await self.submit(job)
-            return await self._outcome(job.id, future, time.monotonic() + timeout, read_first=False)
+            await self.submit(job, sync=True)
+            give_up = time.monotonic() + timeout
+            while True:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                with _reachable():
+                    status, outcome = await self.store.collect(job.id)
+                if status is None or outcome is not None:
+                    return outcome
         finally:
             self.waiter.forget(job.id, future)
 
-    async def wait(self, job_id: str, timeout: float) -> JobOutcome | None:
-        """The outcome of a job submitted earlier, once it ends; None if `timeout` seconds pass
-        first (or the job is unknown)."""
+    async def wait(self, job_id: str, timeout: float) -> None:
+        """Return once the async job `job_id` has ended or is gone, or after `timeout` seconds."""
         future = self.waiter.expect(job_id)
         try:
-            return await self._outcome(job_id, future, time.monotonic() + timeout, read_first=True)
+            give_up = time.monotonic() + timeout
+            while True:
+                record = await self.get(job_id)
+                left = give_up - time.monotonic()
+                if record is None or record.status.terminal or left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                    return
         finally:
             self.waiter.forget(job_id, future)
 
-    async def _outcome(self, job_id: str, future: asyncio.Future[bytes], deadline: float,
-                       read_first: bool) -> JobOutcome | None:
-        """The pushed notice answers at once; the record is read now and then in case a notice was
-        missed (and first, unless the job was only just submitted)."""
-        read = read_first
-        while True:
-            if read:
-                record = await self._read(job_id)
-                if record is None:
-                    return None
-                if record.status.terminal:
-                    return record.outcome
-            read = True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            with contextlib.suppress(TimeoutError):
-                notice = await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
-                return JobOutcome.model_validate_json(notice)
-
-    async def _read(self, job_id: str) -> JobRecord | None:
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job's record; None if unknown or expired."""
         with _reachable():
             return await self.store.get(job_id)
 
-    async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int) -> bool:
-        """End the job as `status` unless it already ended, and have its worker abort it."""
+    async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int,
+                     after_deadline: float | None = None) -> bool:
+        """End the job as `status` unless it already ended, and have its worker abort it (arq's abort);
+        True when this call ended it. With `after_deadline`: only once its deadline is that far past."""
         outcome = JobOutcome(status=status, error={"error_type": error_type, "message": message},
                              http_status=http_status)
         with _reachable():
-            won = await self.store.finish(job_id, outcome)
-            record = await self.store.get(job_id)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})
-                if record is not None and record.queue:
-                    pipe.lpush(keys.wake_key(record.queue), keys.WAKE_ALL)
-                await pipe.execute()
-        return won
+            return await self.store.cancel(job_id, outcome, after_deadline)
 
 
 @contextlib.contextmanager

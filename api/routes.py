@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import ApiError, DeadlineExceeded, JobFailed
+from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from common.contract import EXAMPLE_REQUEST, ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import EvaluationJob, JobOutcome, JobStatus
 
@@ -34,18 +34,19 @@ async def systemone(request: Request,
     request.state.job_id = job.id
     outcome = await _run_unless_disconnected(request, job)
     if outcome is None:
-        await services.queue.cancel(job.id, JobStatus.expired, "timeout_error",
-                                    "the request did not finish before its deadline", 504)
+        await _end(request, job, JobStatus.expired, "timeout_error", "the request did not finish before its deadline",
+                   504)
         raise DeadlineExceeded(f"no answer within {services.settings.request_timeout:g} s; the work was aborted")
-    request.app.state.metrics.observe_outcome(outcome, prepare_seconds)
+    request.app.state.metrics.observe_delivery(outcome, prepare_seconds)
     if outcome.status is not JobStatus.succeeded or outcome.result is None:
         error = outcome.error or {"error_type": "api_error", "message": "the job ended without a result"}
         raise JobFailed(outcome.http_status or 500, error["error_type"], error["message"])
     return JSONResponse(outcome.result, headers=_result_headers(outcome, prepare_seconds))
 
 
-async def _run_unless_disconnected(request: Request, job: EvaluationJob):
-    """Submit the job and return its outcome; None past its deadline. A client that hangs up cancels it."""
+async def _run_unless_disconnected(request: Request, job: EvaluationJob) -> JobOutcome | None:
+    """Submit the job and return its outcome; None past its deadline. A client that hangs up ends
+    it as cancelled (499), once: ClientDisconnected carries that to the log and the metrics."""
     queue = request.app.state.services.queue
     waiting = asyncio.create_task(queue.run(job, job.remaining()))
     hangup = asyncio.create_task(_disconnected(request))
@@ -57,9 +58,16 @@ async def _run_unless_disconnected(request: Request, job: EvaluationJob):
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        await queue.cancel(job.id, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
-        return None
+        await _end(request, job, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
+        raise ClientDisconnected("the client disconnected before the answer")
     return waiting.result()
+
+
+async def _end(request: Request, job: EvaluationJob, status: JobStatus, error_type: str, message: str,
+               http_status: int) -> None:
+    """End a job this route gives up on, counting the ending here if this call made it."""
+    if await request.app.state.services.queue.cancel(job.id, status, error_type, message, http_status):
+        request.app.state.metrics.observe_ending(status)
 
 
 async def _disconnected(request: Request) -> None:

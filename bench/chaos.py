@@ -26,7 +26,7 @@ import httpx
 import orjson
 from redis.asyncio import Redis
 
-from common import keys
+from common.queue import keys
 from openjev.embedded_redis import free_port, start_redis
 from tests.conftest import model_cache_dir, stack_env
 from tests.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http

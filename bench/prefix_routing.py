@@ -34,9 +34,9 @@ from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from common.contract import SystemOneRequest
 from common.jobs import deserialize, serialize
-from common.jobstore import JobStore
-from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, live_workers
 from common.prompt import PromptCompiler
+from common.queue.membership import HEARTBEAT_INTERVAL, WorkerCounters, live_workers
+from common.queue.records import JobStore
 from common.routing import prefix_key, rank_workers
 from common.settings import RoutingPolicy, Settings
 from common.tokenizer import load_tokenizer

@@ -3,14 +3,18 @@ process, straight to the engine) and through the queue (Redis + arq + a real wor
 completion pushed back), against the same engine, in the same run, interleaved.
 
     uv run --extra cpu --extra dev python -m bench.queue_latency [--engine scripted|cpu] [--requests 200]
+        [--poll-delay 0.005]
 
-Prints p50/p99 per path and the difference at concurrency 1 and 16. Figures: bench/RESULTS.md.
+Prints p50/p99 per path and the difference at concurrency 1 and 16, then what the worker's poll
+(arq's poll_delay) costs while idle: CPU of the worker process and of Redis over 10 s with no job.
+Figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -23,9 +27,9 @@ from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import deserialize, serialize
-from common.jobstore import JobStore
-from common.membership import live_workers
 from common.prompt import PromptCompiler
+from common.queue.membership import live_workers
+from common.queue.records import JobStore
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
 from openjev.embedded_redis import start_redis
@@ -113,10 +117,27 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
     return [*lines, "", breakdown]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cost(worker_pid: int, redis_pid: int, seconds: float = 10.0) -> str:
+    """CPU used by the idle worker and Redis over `seconds`, as a share of one core."""
+    before = cpu_seconds(worker_pid), cpu_seconds(redis_pid)
+    time.sleep(seconds)
+    worker, redis = (cpu_seconds(p) - b for p, b in zip((worker_pid, redis_pid), before, strict=True))
+    return (f"idle for {seconds:g} s: worker {100 * worker / seconds:.1f} % of a core, "
+            f"Redis {100 * redis / seconds:.1f} % of a core")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["scripted", "cpu"], default="scripted")
     parser.add_argument("--requests", type=int, default=200, help="per path and concurrency")
+    parser.add_argument("--poll-delay", type=float, default=Settings().worker_poll_delay,
+                        help="the worker's OPENJEV_WORKER_POLL_DELAY (arq's poll_delay), seconds")
     args = parser.parse_args()
 
     from worker.cpu_engine.model import ensure_converted
@@ -129,16 +150,18 @@ def main() -> int:
     else:
         engine = start_cpu_engine(log_dir, model_cache_dir())
     settings = Settings(redis_url=redis_url, tokenizer=str(model_dir))
-    worker = start_worker(log_dir, {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir)},
-                          engine.url or "", "bench-0")
+    worker = start_worker(log_dir, {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir),
+                                    "OPENJEV_WORKER_POLL_DELAY": str(args.poll_delay)}, engine.url or "", "bench-0")
     try:
         preparer = JobPreparer(settings, PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir))))
         lines = asyncio.run(bench(engine.url or "", redis_url, settings, preparer, args.requests))
+        lines.append(idle_cost(worker.process.pid, redis_process.pid))
     finally:
         worker.stop()
         engine.stop()
         redis_process.terminate()
-    print(f"engine: {args.engine}; {args.requests} requests per path and concurrency; example request (3 questions)")
+    print(f"engine: {args.engine}; {args.requests} requests per path and concurrency; example request (3 questions);"
+          f" worker poll delay {args.poll_delay:g} s")
     print("\n".join(lines))
     return 0
 

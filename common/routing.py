@@ -2,7 +2,7 @@
 workers, so the same prefix keeps landing on the GPU that has it cached, with a bound on how far
 one worker's queue may run ahead of the others. Pure functions of Redis state: every API replica
 that reads the same queue lengths makes the same choice. This is the reference; the API routes
-with the same rules inside Redis, in the step that enqueues the job (api/dispatch.py)."""
+with the same rules inside Redis, in the step that enqueues the job (common/queue/placement.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def prefix_key(prefix_ids: Sequence[int], first_k: int | None = None) -> str:
 
 
 def _weight(key: str, worker_id: str) -> str:
-    """sha1(key NUL worker id) in hex: what Redis's Lua computes too (api/dispatch.py routes there)."""
+    """sha1(key NUL worker id) in hex: what Redis's Lua computes too (common/queue/placement.py routes there)."""
     return hashlib.sha1(f"{key}\x00{worker_id}".encode(), usedforsecurity=False).hexdigest()
 
 

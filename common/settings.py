@@ -115,6 +115,9 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
+    worker_poll_delay: float = Field(
+        default=0.005, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
+        "(arq's poll_delay): half of it is the mean wait before a new job starts; see bench/RESULTS.md for its cost.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     cpu_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="The CPU engine's dtype; auto: bfloat16 where the CPU has bf16 instructions.")
@@ -149,6 +152,11 @@ class Settings(BaseSettings):
             if not name.endswith("*") and name not in names and self.accepts_model(name):
                 names.append(name)
         return names
+
+    @property
+    def longest_job_seconds(self) -> float:
+        """No job, sync or async, can live longer than this from submission to deadline."""
+        return max(self.request_timeout, self.job_timeout)
 
     @property
     def tokenizer_source(self) -> str:

@@ -24,6 +24,8 @@ class Script:
 
     def __init__(self) -> None:
         self.delay = 0.0  # seconds each /generate stalls (abortable)
+        self.slow_rid_infix: str | None = None  # rids containing this stall `slow_delay` instead (abortable)
+        self.slow_delay = 0.0
         self.fail_rid_suffix: str | None = None  # rids ending with this answer with `fail_status`
         self.fail_status = 500
         self.fail_delay = 0.0  # seconds before the scripted failure is answered
@@ -43,6 +45,7 @@ def create_app() -> FastAPI:
     live: dict[str, asyncio.Event] = {}
     received: list[str] = []  # rids in arrival order
     finished: list[str] = []  # rids answered with logprobs, in order
+    aborted_rids: list[str] = []  # rids ended by an abort request, in order
     seen = PrefixTrie()
 
     @app.post("/script")
@@ -53,7 +56,7 @@ def create_app() -> FastAPI:
 
     @app.get("/stats")
     async def get_stats() -> dict[str, Any]:
-        return {**stats, "live": sorted(live), "received": received, "finished": finished}
+        return {**stats, "live": sorted(live), "received": received, "finished": finished, "aborted": aborted_rids}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -89,11 +92,14 @@ def create_app() -> FastAPI:
         aborted = asyncio.Event()
         live[rid] = aborted
         try:
-            if script.delay:
+            slow = script.slow_rid_infix is not None and script.slow_rid_infix in rid
+            delay = script.slow_delay if slow else script.delay
+            if delay:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(aborted.wait(), script.delay)
+                    await asyncio.wait_for(aborted.wait(), delay)
             if aborted.is_set():
                 stats["requests_aborted"] += 1
+                aborted_rids.append(rid)
                 return JSONResponse(_meta(rid, ids, 0, None, [], {"type": "abort", "message": "aborted"}))
         finally:
             live.pop(rid, None)

@@ -147,15 +147,15 @@ def test_a_big_job_cannot_hold_back_another_jobs_branches(two_slot_stack: Stack)
     stack.script(delay=0.25)
     big = httpx.post(stack.url + "/v1/jobs", json=body({f"q{i}": NOUL for i in range(24)}), timeout=30).json()
     deadline = time.monotonic() + 30
-    while big["id"] + ".b0" not in stack.engine_stats()["received"] and time.monotonic() < deadline:
+    while big["id"] + ".1.b0" not in stack.engine_stats()["received"] and time.monotonic() < deadline:
         time.sleep(0.05)  # the big job now holds both slots and 22 branches wait for them
     small = httpx.post(stack.url + "/v1/jobs", json=body({"only": NOUL}, state="another state"), timeout=30).json()
     for job in (small, big):
         done = httpx.get(f"{stack.url}/v1/jobs/{job['id']}", params={"wait": 30}, timeout=40).json()
         assert done["status"] == "succeeded", done
     order = stack.engine_stats()["received"]
-    big_branches = [i for i, rid in enumerate(order) if rid.startswith(big["id"] + ".b")]
-    small_branch = order.index(small["id"] + ".b0")
+    big_branches = [i for i, rid in enumerate(order) if rid.startswith(big["id"] + ".1.b")]
+    small_branch = order.index(small["id"] + ".1.b0")
     # round-robin slots: the small job's branch goes next, ahead of most of the big job's branches
     # (a first-come queue would put it after all of them)
     assert sum(1 for i in big_branches if i > small_branch) >= 12

@@ -1,17 +1,17 @@
-"""Routing inside Redis (api/dispatch.py) makes exactly the choices of the Python reference
-(common/routing.py + WorkerInfo.expected_finish), and writes the job where it routed it."""
+"""Placement inside Redis (common/queue/placement.py) makes exactly the routing choices of the Python
+reference (common/routing.py + WorkerInfo.expected_finish), writes the job where it routed it, and
+claims the idempotency key in the same step."""
 
 from __future__ import annotations
 
 import random
 import time
 
-from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
-from api.dispatch import Dispatcher, Placement
-from common import keys
-from common.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
+from common.queue import keys
+from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
+from common.queue.placement import SKEW_ALLOWANCE_MS, Dispatcher, IdempotencyClaim, Placement
 from common.routing import admit, prefix_key, round_robin, route_job
 from common.settings import RoutingPolicy
 
@@ -56,9 +56,10 @@ def reference(key: str, live: dict[str, WorkerInfo], lengths: dict[str, int], lo
     return Placement(queue=live[target].queue)
 
 
-async def place(dispatcher: Dispatcher, job_id: str, key: str, remaining: float) -> Placement:
-    return await dispatcher.place(job_id, key, remaining, keys.job_key(job_id),
-                                  {"status": "queued", "request_id": "req_t"}, 600, job_key_prefix + job_id, b"{}")
+async def place(dispatcher: Dispatcher, job_id: str, key: str, remaining: float,
+                idempotency: IdempotencyClaim | None = None) -> Placement:
+    return await dispatcher.place(job_id, key, remaining, {"status": "queued", "request_id": "req_t"}, 600, b"{}",
+                                  idempotency)
 
 
 async def test_hash_routing_in_redis_matches_the_reference_on_random_fleets(redis: Redis) -> None:
@@ -93,18 +94,36 @@ async def test_round_robin_in_redis_takes_turns_like_the_reference(redis: Redis)
         lengths[next(w for w in live if live[w].queue == got.queue)] += 1
 
 
-async def test_a_placed_job_is_recorded_enqueued_and_its_worker_woken_in_the_same_step(redis: Redis) -> None:
+async def test_a_placed_job_is_recorded_and_enqueued_in_arqs_layout_on_redis_time(redis: Redis) -> None:
     info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
                       started_at=time.time())
     await heartbeat(redis, info)
+    seconds, micros = await redis.time()
     placed = await Dispatcher(redis, 1.25, RoutingPolicy.hash).place(
-        "job_x", "k", 30.0, keys.job_key("job_x"), {"status": "queued", "request_id": "req_x"}, 90,
-        job_key_prefix + "job_x", b'{"f":"evaluate"}')
-    assert placed == Placement(queue=info.queue)
-    assert await redis.hgetall(keys.job_key("job_x")) == {b"status": b"queued", b"request_id": b"req_x",
-                                                          b"queue": info.queue.encode()}
-    assert 85 <= await redis.ttl(keys.job_key("job_x")) <= 90
-    assert await redis.get(job_key_prefix + "job_x") == b'{"f":"evaluate"}'
-    assert 85_000 <= await redis.pttl(job_key_prefix + "job_x") <= 90_000  # remaining + 60 s
-    assert await redis.zrange(info.queue, 0, -1) == [b"job_x"]
-    assert await redis.lrange(keys.wake_key(info.queue), 0, -1) == [b"job_x"]
+        "job_x", "k", 30.0, {"status": "queued", "request_id": "req_x"}, 90, b'{"f":"evaluate"}')
+    assert placed.queue == info.queue
+    assert 0 <= placed.created_at - (seconds + micros / 1e6) < 1.0  # Redis's clock, not this host's
+    assert abs(placed.deadline_at - placed.created_at - 30.0) < 1e-3
+    record = await redis.hgetall(keys.job_key("job_x"))
+    assert {k: record[k] for k in (b"status", b"request_id", b"queue", b"placement")} == {
+        b"status": b"queued", b"request_id": b"req_x", b"queue": info.queue.encode(), b"placement": b"job_x.1"}
+    assert 115 <= await redis.ttl(keys.job_key("job_x")) <= 120  # the deadline, then 90 s
+    assert await redis.get(keys.ARQ_JOB + "job_x.1") == b'{"f":"evaluate"}'
+    assert 115 <= await redis.ttl(keys.ARQ_JOB + "job_x.1") <= 120
+    (entry, score), = await redis.zrange(info.queue, 0, -1, withscores=True)
+    assert entry == b"job_x.1" and score == int(placed.created_at * 1000) - SKEW_ALLOWANCE_MS
+
+
+async def test_an_idempotency_key_is_claimed_with_the_placement_and_only_then(redis: Redis) -> None:
+    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
+    claim = IdempotencyClaim("retry-me", "d1")
+    assert (await place(dispatcher, "job_early", "k", 30.0, claim)).no_worker
+    assert not await redis.exists(keys.idempotency_key("retry-me"))  # nothing placed, nothing held
+    info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
+                      started_at=time.time())
+    await heartbeat(redis, info)
+    assert (await place(dispatcher, "job_first", "k", 30.0, claim)).queue == info.queue
+    again = await place(dispatcher, "job_second", "k", 30.0, IdempotencyClaim("retry-me", "d2"))
+    assert again == Placement(held="job_first:d1")
+    assert not await redis.exists(keys.job_key("job_second"))
+    assert await redis.zrange(info.queue, 0, -1) == [b"job_first.1"]

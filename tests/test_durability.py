@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 
-from common import keys
+from common.queue import keys
 from openjev.embedded_redis import RedisServer, free_port
 from tests.conftest import CPU_MODEL_NAME, stack_env
 from tests.processes import Proc, start_api, start_scripted_engine, start_worker

@@ -13,7 +13,7 @@ import orjson
 import pytest
 import redis
 
-from common import keys
+from common.queue import keys
 from tests.conftest import Stack, isolated_scripted_stack
 from tests.processes import start_scripted_engine
 from worker.engine_health import EngineHealth, HealthPolicy, Probe

@@ -22,7 +22,7 @@ import orjson
 import pytest
 import redis
 
-from common import keys
+from common.queue import keys
 from openjev.embedded_redis import RedisServer, free_port
 from tests.conftest import model_cache_dir, stack_env
 from tests.processes import Proc, alive, openjev, spawn, start_scripted_engine, start_worker, wait_http

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from redis import Redis
 
-from common import keys
 from common.jobs import job_created_at, new_job_id
+from common.queue import keys
 from common.settings import Settings
 from tests.conftest import Stack
 from tests.test_api_contract import INVALID, NOUL, SCORE, body

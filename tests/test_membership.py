@@ -1,4 +1,4 @@
-"""Worker membership (common/membership.py): who is in the routing set, and the counters a worker
+"""Worker membership (common/queue/membership.py): who is in the routing set, and the counters a worker
 publishes with its heartbeat."""
 
 from __future__ import annotations
@@ -9,7 +9,16 @@ from dataclasses import dataclass
 import pytest
 from redis.asyncio import Redis
 
-from common.membership import LIVENESS_WINDOW, WorkerCounters, WorkerInfo, heartbeat, leave, live_workers
+from common.queue import keys
+from common.queue.membership import (
+    LIVENESS_WINDOW,
+    WorkerCounters,
+    WorkerInfo,
+    heartbeat,
+    leave,
+    live_workers,
+    silent_members,
+)
 
 
 @dataclass(frozen=True)
@@ -23,11 +32,19 @@ def info(worker_id: str, **fields: object) -> WorkerInfo:
                       started_at=time.time(), **fields)
 
 
+async def redis_now(redis: Redis) -> float:
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6
+
+
 async def test_a_worker_that_stops_heartbeating_leaves_the_routing_set_after_the_liveness_window(redis: Redis) -> None:
     await heartbeat(redis, info("w1"))
-    beat = time.time()
-    assert [w.id for w in await live_workers(redis, beat + LIVENESS_WINDOW - 0.5)] == ["w1"]
-    assert await live_workers(redis, beat + LIVENESS_WINDOW + 0.5) == []
+    beat = await redis.zscore(keys.WORKERS, "w1")
+    assert beat is not None and 0 <= await redis_now(redis) - beat < 1.0  # stamped with Redis's clock
+    await redis.zadd(keys.WORKERS, {"w1": await redis_now(redis) - LIVENESS_WINDOW + 0.5})
+    assert [w.id for w in await live_workers(redis)] == ["w1"] and await silent_members(redis) == []
+    await redis.zadd(keys.WORKERS, {"w1": await redis_now(redis) - LIVENESS_WINDOW - 0.5})
+    assert await live_workers(redis) == [] and await silent_members(redis) == ["w1"]
 
 
 async def test_a_worker_whose_engine_is_down_or_that_left_is_not_routed_to(redis: Redis) -> None:

@@ -32,7 +32,7 @@ def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: 
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "400")))] >= 1
     for stage in ("queue", "prepare", "prefill", "branches"):
         assert m[("openjev_stage_seconds_count", (("stage", stage),))] >= 2
-    assert m[("openjev_jobs_total", (("outcome", "succeeded"),))] >= 2
+    assert m[("openjev_worker_jobs_ended", (("outcome", "succeeded"), ("worker", "w0")))] >= 2
     assert m[("openjev_live_workers", ())] == 1
     assert m[("openjev_redis_up", ())] == 1
     assert m[("openjev_queue_depth", (("worker", "w0"),))] == 0
@@ -62,4 +62,4 @@ def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) 
     m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
     assert m[("openjev_worker_engine_errors", (("worker", "w0"),))] >= 1
     assert m[("openjev_worker_aborts_sent", (("worker", "w0"),))] >= 2  # b0 and b2 were live
-    assert m[("openjev_jobs_total", (("outcome", "failed"),))] >= 1
+    assert m[("openjev_worker_jobs_ended", (("outcome", "failed"), ("worker", "w0")))] >= 1

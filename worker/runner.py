@@ -1,11 +1,12 @@
-"""The arq worker beside one engine: pulls only its own queue, woken by a push instead of arq's
-0.5 s polling, runs each job's evaluation, stores the outcome and announces it."""
+"""The arq worker beside one engine: arq's own `Worker`, configured through its settings and hooks,
+pulls only this worker's queue and runs `evaluate` for each placement. Around it: the heartbeat
+(membership and the engine's state), the lease and its fencing (worker/fencing.py), and moving
+vanished workers' jobs. Every Redis write goes through common/queue."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -13,21 +14,27 @@ import time
 from typing import Any
 
 from arq import Worker
-from arq.connections import ArqRedis, RedisSettings
-from arq.constants import in_progress_key_prefix
-from arq.jobs import SerializationError, deserialize_job_raw
+from arq.connections import RedisSettings
+from arq.worker import func
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import keys
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
-from common.jobstore import JobStore, Taken
-from common.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
+from common.queue import keys
+from common.queue.leases import Lease, LeaseTaken, reap_vanished_workers, resume_own_jobs
+from common.queue.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
+from common.queue.records import JobStore, Started
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
 from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
-from worker.recovery import Lease, LeaseLost, reap_vanished_workers, resume_own_jobs
+from worker.fencing import RunningJobs, hold_lease
 from worker.sglang_launcher import needs_warm_label_logprobs
 
 log = logging.getLogger("openjev.worker")
@@ -35,22 +42,61 @@ log = logging.getLogger("openjev.worker")
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
-STORE_RETRY_DELAY = 0.5  # seconds between attempts to store an outcome while Redis is unreachable
+MAX_ATTEMPTS = 3  # a job interrupted this many times (its worker died under it) is not run again
+REDIS_RETRIES = 3600  # ~an hour of 1 s backoffs: a worker waits out a Redis restart rather than exiting
+STORE_GRACE = 30.0  # seconds past a job's deadline its outcome store keeps retrying through Redis errors
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-async def evaluate(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
-    """Evaluate one job picked at `picked_at` and return how it ended."""
-    if job.remaining(picked_at) <= 0:
+async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
+    """arq's job function: run one placement of an evaluation job and store how it ended. A
+    placement that is no longer its job's (moved, cancelled, expired) is neither run nor stored."""
+    arq_job_id: str = ctx["job_id"]
+    store: JobStore = ctx["store"]
+    started = await store.start(arq_job_id, ctx["worker_id"])
+    if started is None:
+        return
+    picked_at = time.time()
+    running: RunningJobs = ctx["running"]
+    job: EvaluationJob | None = None
+    try:
+        with running.running(arq_job_id):
+            job = EvaluationJob.model_validate(payload)
+            outcome = await _outcome(ctx, job, started, picked_at)
+    except asyncio.CancelledError:
+        if not running.was_fenced(arq_job_id):
+            raise  # an abort (its ending is already stored) or a shutdown (the job stays queued to resume)
+        log.warning("job %s: moved off this worker while it was cut off; stopped here", keys.job_of(arq_job_id))
+        return
+    except ValidationError as exc:
+        log.error("job %s: unreadable (%s)", arq_job_id, exc)
+        outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", ctx)
+    give_up_at = time.monotonic() + max(0.0, started.remaining) + STORE_GRACE
+    stored = await asyncio.shield(store.store(arq_job_id, outcome, give_up_at))
+    ctx["info"].counters.record_ending(outcome.status.value if stored else "refused")
+    if job is not None:
+        _log_job(job, outcome, stored)  # after the answer went out: logging is not on the caller's path
+
+
+async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, picked_at: float) -> JobOutcome:
+    if started.remaining <= 0:
         return _failure(JobStatus.expired, 504, "timeout_error",
-                        "the job's deadline passed before a worker could start it", ctx["worker_id"])
+                        "the job's deadline passed before a worker could start it", ctx)
+    if ctx["job_try"] > MAX_ATTEMPTS:
+        log.error("job %s: interrupted %d times; not run again", job.id, ctx["job_try"] - 1)
+        return _failure(JobStatus.failed, 500, "api_error",
+                        f"the job was interrupted {ctx['job_try'] - 1} times; it was not run again", ctx)
+    # The job on this host's clock (Redis's clock said how long it waited and how long it has left),
+    # under its placement's id, so its engine rids are this placement's own.
+    local = job.model_copy(update={"id": ctx["job_id"], "created_at": picked_at - started.waited,
+                                   "deadline_at": picked_at + started.remaining})
     info: WorkerInfo = ctx["info"]
     info.running += 1
     try:
-        outcome = await _run(ctx, job, picked_at)
+        outcome = await _run(ctx, local, picked_at)
     finally:
         info.running -= 1
     if outcome.status is JobStatus.succeeded:
@@ -60,202 +106,56 @@ async def evaluate(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) ->
     return outcome
 
 
-def _log_job(job: EvaluationJob, outcome: JobOutcome) -> None:
-    """One event per job: ids, outcome and stage figures; never the prompt or the answers."""
-    t = outcome.timings
-    level = logging.INFO if outcome.status is JobStatus.succeeded else logging.WARNING
-    log.log(level, "job %s", outcome.status.value, extra={
-        "event": "job", "job_id": job.id, "request_id": job.request_id, "worker_id": outcome.worker_id,
-        "status": outcome.status.value, "questions": len(job.branches), "prefix_tokens": len(job.prefix_ids),
-        "cached_tokens": outcome.cached_tokens, "queue_ms": round(t.queue * 1000, 2),
-        "prefill_ms": round(t.prefill * 1000, 2), "branches_ms": round(t.branches * 1000, 2),
-        "error_type": (outcome.error or {}).get("error_type")})
-
-
 async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
     """Evaluate; every way it can end becomes an outcome (a cancellation still propagates)."""
-    worker_id: str = ctx["worker_id"]
     counters: WorkerCounters = ctx["info"].counters
     evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], ctx["settings"].branch_max_new_tokens)
     try:
         result = await evaluation.run()
     except TimeoutError:
         return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
-                        worker_id)
+                        ctx)
     except EngineAborted as exc:
         counters.engine_errors += 1
-        return _failure(JobStatus.failed, 503, "engine_aborted", str(exc), worker_id)
+        return _failure(JobStatus.failed, 503, "engine_aborted", str(exc), ctx)
     except EngineError as exc:
         counters.engine_errors += 1
         log.warning("job %s: engine error: %s", job.id, exc)
-        return _failure(JobStatus.failed, 502, "engine_error", str(exc), worker_id)
+        return _failure(JobStatus.failed, 502, "engine_error", str(exc), ctx)
     finally:
         counters.aborts_sent += evaluation.aborts_sent
     counters.record_job(result.warm_call, result.branch_calls)
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
-                      worker_id=worker_id)
+                      worker_id=ctx["worker_id"])
+
+
+def _log_job(job: EvaluationJob, outcome: JobOutcome, stored: bool) -> None:
+    """One event per job: ids, outcome and stage figures; never the prompt or the answers."""
+    t = outcome.timings
+    level = logging.INFO if outcome.status is JobStatus.succeeded and stored else logging.WARNING
+    log.log(level, "job %s", outcome.status.value if stored else "refused", extra={
+        "event": "job", "job_id": job.id, "request_id": job.request_id, "worker_id": outcome.worker_id,
+        "status": outcome.status.value, "stored": stored, "questions": len(job.branches),
+        "prefix_tokens": len(job.prefix_ids), "cached_tokens": outcome.cached_tokens,
+        "queue_ms": round(t.queue * 1000, 2), "prefill_ms": round(t.prefill * 1000, 2),
+        "branches_ms": round(t.branches * 1000, 2), "error_type": (outcome.error or {}).get("error_type")})
 
 
 def _moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
     return sample if previous == 0 else (1 - weight) * previous + weight * sample
 
 
-def _failure(status: JobStatus, http_status: int, error_type: str, message: str, worker_id: str) -> JobOutcome:
+def _failure(status: JobStatus, http_status: int, error_type: str, message: str, ctx: dict[str, Any]) -> JobOutcome:
     return JobOutcome(status=status, error={"error_type": error_type, "message": message}, http_status=http_status,
-                      worker_id=worker_id)
-
-
-class QueueWorker(Worker):
-    """arq's worker over arq's job layout, with a lean path per job. It blocks on its wake list
-    between polls: a new job's id arrives there and the job is taken (claimed, read and marked
-    running in one script) within a round trip; the timeout keeps heartbeats and aborts on
-    schedule. A job ends with one write that stores its outcome, announces it and removes it from
-    the queue. Jobs in the queue are never deferred here: every job in it is due."""
-
-    async def main(self) -> None:
-        self._wakeups: set[asyncio.Future[object]] = set()
-        if self._pool is None:
-            self._pool = await self._connect()
-        self.ctx["redis"] = self.pool
-        if self.on_startup:
-            await self.on_startup(self.ctx)
-        self.store: JobStore = self.ctx["store"]
-        wake = keys.wake_key(self.queue_name)
-        token: bytes | None = None
-        polled_at = 0.0
-        while True:
-            try:
-                if (token not in (None, keys.WAKE_ALL) and self.job_counter < self.max_jobs
-                        and time.monotonic() - polled_at < self.poll_delay_s):
-                    await self.start_jobs([token])  # a new job's id: take just that one
-                else:
-                    await self._poll_iteration()
-                    polled_at = time.monotonic()
-                popped = await self.pool.blpop([wake], timeout=self.poll_delay_s)
-                token = popped[1] if popped else None
-            except (RedisError, OSError) as exc:  # Redis restarting: keep the jobs in hand, retry
-                log.warning("queue unreachable (%r); retrying", exc)
-                token = None
-                await asyncio.sleep(0.5)
-
-    async def _connect(self) -> ArqRedis:
-        from arq.connections import create_pool
-
-        return await create_pool(self.redis_settings, job_serializer=self.job_serializer,
-                                 job_deserializer=self.job_deserializer, default_queue_name=self.queue_name)
-
-    async def _poll_iteration(self) -> None:
-        """Look at the whole queue (jobs whose wake-up was missed, moved here, or waiting for a
-        slot) and at the abort set."""
-        if self.job_counter < self.max_jobs:
-            await self.start_jobs(await self.pool.zrange(self.queue_name, 0, self.queue_read_limit - 1))
-        await self._cancel_aborted_jobs()
-
-    async def start_jobs(self, job_ids: list[bytes]) -> None:
-        """Take each job not already running here, while slots are free."""
-        for raw_id in job_ids:
-            if self.job_counter >= self.max_jobs:
-                return  # the rest wait in the queue; a slot freeing wakes the loop
-            job_id = raw_id.decode()
-            if job_id in self.tasks:
-                continue
-            taken = await self.store.take(job_id, self.queue_name, self.ctx["worker_id"],
-                                          int(self.in_progress_timeout_s * 1000))
-            if taken is None:  # running elsewhere, finished, or moved to another queue meanwhile
-                continue
-            self.job_counter += 1
-            task = self.loop.create_task(self._execute(job_id, taken))
-            self.tasks[job_id] = self.job_tasks[job_id] = task
-            task.add_done_callback(functools.partial(self._job_done, job_id))
-
-    def _job_done(self, job_id: str, task: asyncio.Task[None]) -> None:
-        was_full = self.job_counter >= self.max_jobs
-        self.job_counter -= 1
-        self.tasks.pop(job_id, None)
-        self.job_tasks.pop(job_id, None)
-        if not task.cancelled() and task.exception() is not None:  # its outcome could not be stored
-            log.error("job %s: not finished (%r)", job_id, task.exception())
-        if was_full:  # jobs may be waiting for this slot: look at the queue now, not at the next poll
-            wakeup = asyncio.ensure_future(self.pool.lpush(keys.wake_key(self.queue_name), keys.WAKE_ALL))
-            self._wakeups.add(wakeup)
-            wakeup.add_done_callback(self._wakeups.discard)
-
-    async def _execute(self, job_id: str, taken: Taken) -> None:
-        """Run a taken job to its end. A shutdown leaves it in the queue to run again (here after a
-        restart, or on a live worker once this one's lease lapses); an abort or any other end is
-        stored with the job's removal from the queue."""
-        picked_at = time.time()
-        job: EvaluationJob | None = None
-        try:
-            job = self._read(job_id, taken)
-            async with asyncio.timeout(self.job_timeout_s):
-                outcome = await self._outcome(taken, job, picked_at)
-        except asyncio.CancelledError:
-            if job_id not in self.aborting_tasks:
-                if self.ctx.get("exit_code") != EXIT_LEASE_LOST:  # else the claim is another worker's now
-                    with contextlib.suppress(RedisError, OSError):
-                        await asyncio.shield(self.pool.delete(in_progress_key_prefix + job_id))
-                return
-            self.aborting_tasks.discard(job_id)
-            outcome = self._ended(JobStatus.cancelled, 499, "cancelled", "the job was cancelled")
-        except TimeoutError:
-            outcome = self._ended(JobStatus.expired, 504, "timeout_error", "the job ran past the worker's limit")
-        except Exception:  # a bug: the caller gets a 500 now rather than a 504 at its deadline
-            log.exception("job %s: the worker failed on it", job_id)
-            outcome = self._ended(JobStatus.failed, 500, "api_error", "the worker failed on this job")
-        await asyncio.shield(self._store(job_id, outcome, job.deadline_at if job else time.time()))
-        if job is not None:
-            _log_job(job, outcome)  # after the answer went out: logging is not on the caller's path
-
-    async def _store(self, job_id: str, outcome: JobOutcome, deadline_at: float) -> None:
-        """Store the outcome, retrying while Redis restarts (its append-only file keeps the job):
-        the result is computed and its caller waits for it until the deadline."""
-        while True:
-            try:
-                await self.store.finish(job_id, outcome, self.queue_name)
-                return
-            except (RedisError, OSError) as exc:
-                if time.time() > deadline_at:
-                    raise
-                log.warning("job %s: storing its outcome failed (%r); retrying", job_id, exc)
-                await asyncio.sleep(STORE_RETRY_DELAY)
-
-    def _read(self, job_id: str, taken: Taken) -> EvaluationJob | None:
-        """The job in the payload; None when it expired from the queue or cannot be read."""
-        if not taken.payload:
-            return None
-        try:
-            function, args, _, _, _ = deserialize_job_raw(taken.payload, deserializer=self.job_deserializer)
-            if function != keys.JOB_FUNCTION or len(args) != 1:
-                raise ValueError(f"not an evaluation job: {function}")
-            return EvaluationJob.model_validate(args[0])
-        except (SerializationError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            log.error("job %s: unreadable (%s)", job_id, exc)
-            return None
-
-    async def _outcome(self, taken: Taken, job: EvaluationJob | None, picked_at: float) -> JobOutcome:
-        if not taken.runnable:  # already ended (cancelled, expired) or aborted while queued
-            return self._ended(JobStatus.cancelled, 499, "cancelled", "the job ended before it started")
-        if not taken.payload:
-            return self._ended(JobStatus.expired, 504, "timeout_error", "the job expired in the queue")
-        if job is None:
-            return self._ended(JobStatus.failed, 500, "api_error", "the job record could not be read")
-        if taken.attempt > self.max_tries:
-            log.error("job %s: interrupted %d times; not run again", job.id, taken.attempt - 1)
-            return self._ended(JobStatus.failed, 500, "api_error",
-                               f"the job was interrupted {taken.attempt - 1} times; it was not run again")
-        return await evaluate(self.ctx, job, picked_at)
-
-    def _ended(self, status: JobStatus, http_status: int, error_type: str, message: str) -> JobOutcome:
-        return _failure(status, http_status, error_type, message, self.ctx["worker_id"])
+                      worker_id=ctx["worker_id"])
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
     info: WorkerInfo = ctx["info"]
-    redis: ArqRedis = ctx["redis"]
-    ctx["store"] = JobStore(redis, settings.job_result_ttl)
+    redis: Redis = ctx["redis"]
+    ctx["store"] = store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
@@ -265,7 +165,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     await heartbeat(redis, info)
     ctx["health_watch"] = asyncio.create_task(health.watch())
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
-    ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx))
+    ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx, lease, store))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
@@ -275,7 +175,7 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
         if task:
             task.cancel()
     with contextlib.suppress(RedisError, OSError):
-        # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq re-queues)
+        # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq keeps queued)
         # stay ours until the lease lapses: a restart with this id resumes them, otherwise a live
         # worker moves them. Only an empty queue lets the worker leave at once.
         left_behind = await ctx["redis"].zcard(ctx["info"].queue)
@@ -286,21 +186,13 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     await ctx["health"].close()
 
 
-async def _hold_lease(ctx: dict[str, Any]) -> None:
-    """Renew the lease on this worker's id every heartbeat interval, on its own schedule: a slow
-    engine health check must never let it lapse while jobs run here (another worker would then
-    move them and run them a second time). Stop the worker if another process took it."""
-    while True:
-        await asyncio.sleep(HEARTBEAT_INTERVAL)
-        try:
-            await ctx["lease"].renew()
-        except LeaseLost as exc:
-            log.error("%s; worker %s stops", exc, ctx["info"].id)
-            ctx["exit_code"] = EXIT_LEASE_LOST
-            ctx["worker"].handle_sig(15)
-            return
-        except (RedisError, OSError) as exc:  # Redis blips must not kill the lease loop
-            log.warning("lease renewal failed: %r", exc)
+async def _hold_lease(ctx: dict[str, Any], lease: Lease, store: JobStore) -> None:
+    try:
+        await hold_lease(lease, ctx["running"], store)
+    except LeaseTaken as exc:
+        log.error("%s; worker %s stops", exc, ctx["info"].id)
+        ctx["exit_code"] = EXIT_LEASE_LOST
+        ctx["worker"].handle_sig(15)
 
 
 async def _keep_alive(ctx: dict[str, Any]) -> None:
@@ -317,7 +209,7 @@ async def _keep_alive(ctx: dict[str, Any]) -> None:
         try:
             await heartbeat(ctx["redis"], info)
             if info.engine_ok and beats % REAP_EVERY == 0:
-                await reap_vanished_workers(ctx["redis"], ctx["store"])
+                await reap_vanished_workers(ctx["redis"])
         except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
             log.warning("heartbeat failed: %r", exc)
         if health.down.is_set():
@@ -327,8 +219,8 @@ async def _keep_alive(ctx: dict[str, Any]) -> None:
             return
 
 
-def build_worker(settings: Settings) -> QueueWorker:
-    """A worker for this process, configured from `settings`."""
+def build_worker(settings: Settings) -> Worker:
+    """arq's worker for this process, configured from `settings`."""
     worker_id = settings.worker_id or default_worker_id()
     queue = keys.queue_name(worker_id)
     backend_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
@@ -342,21 +234,23 @@ def build_worker(settings: Settings) -> QueueWorker:
                                                                  timeout=settings.engine_health_timeout),
                                last_answer=lambda: engine.last_answer_at),
         "slots": BranchSlots(settings.max_concurrent_branches),
+        "running": RunningJobs(),
         "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
                            max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
                            started_at=time.time()),
     }
-    worker = QueueWorker(
-        functions=[_job_function()],
+    worker = Worker(
+        functions=[func(evaluate, name=keys.JOB_FUNCTION)],
         queue_name=queue,
-        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        redis_settings=_redis_settings(settings.redis_url),
         max_jobs=settings.max_concurrent_requests,
-        job_timeout=max(settings.request_timeout, settings.job_timeout) + 30,
-        keep_result=0,
-        max_tries=3,
-        poll_delay=0.5,
+        job_timeout=settings.longest_job_seconds + 30,  # a backstop: each job ends itself at its deadline
+        keep_result=0,  # the outcome lives in the job record, not in arq's result key
+        max_tries=MAX_ATTEMPTS + 1,  # `evaluate` refuses the try past MAX_ATTEMPTS with an outcome
+        poll_delay=settings.worker_poll_delay,
         allow_abort_jobs=True,
         handle_signals=True,
+        log_results=False,
         job_serializer=serialize,
         job_deserializer=deserialize,
         on_startup=_startup,
@@ -367,12 +261,13 @@ def build_worker(settings: Settings) -> QueueWorker:
     return worker
 
 
-def _job_function():
-    """The function arq's Worker insists on registering. Jobs never go through arq's run_job:
-    `QueueWorker._execute` reads each job and checks that it names this function."""
-    from arq.worker import func
-
-    return func(evaluate, name=keys.JOB_FUNCTION)
+def _redis_settings(url: str) -> RedisSettings:
+    """arq's connection settings, with retries that outlast a Redis restart: arq's poll loop ends on
+    the first error it sees, so every command waits (backing off to 1 s) until Redis answers again."""
+    redis_settings = RedisSettings.from_dsn(url)
+    redis_settings.retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=REDIS_RETRIES)
+    redis_settings.retry_on_error = [RedisConnectionError, RedisTimeoutError, OSError]
+    return redis_settings
 
 
 def run_worker(settings: Settings) -> int:

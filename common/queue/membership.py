@@ -1,5 +1,5 @@
-"""Worker membership: each worker heartbeats its description into Redis; the API routes only to
-workers whose heartbeat is fresh."""
+"""Worker membership: each worker heartbeats its description into Redis, stamped with Redis's clock;
+the API routes only to workers whose heartbeat is fresh."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import orjson
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from common import keys
+from common.queue import keys
 
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats
 LIVENESS_WINDOW = 5.0  # a worker silent this long leaves the routing set
@@ -42,6 +42,12 @@ class WorkerCounters(BaseModel):
     unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang 0.5.19's Rust frontend)
     engine_errors: int = 0  # engine calls that failed or were aborted by the engine
     aborts_sent: int = 0  # abort requests sent for live calls of failed, timed-out or cancelled jobs
+    endings: dict[str, int] = Field(default_factory=dict)  # outcomes this worker stored, by status, and
+    # "refused": outcomes it computed for a job that had ended or moved meanwhile
+
+    def record_ending(self, ending: str) -> None:
+        """Count one job this worker ended (or whose ending was refused), where it happened."""
+        self.endings[ending] = self.endings.get(ending, 0) + 1
 
     def record_job(self, warm: CallTokens, branches: Sequence[CallTokens]) -> None:
         """Add an answered job's warm call and branch calls."""
@@ -90,18 +96,49 @@ class WorkerInfo(BaseModel):
         return (ahead / self.max_jobs + 1) * self.avg_job_seconds
 
 
+# KEYS: worker key, routing hash, workers zset; ARGV: worker JSON, ttl (s), worker id, then the routing
+# hash's field/value pairs. The heartbeat's time is Redis's, so no host's clock decides liveness.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], t[1] + t[2] / 1e6, ARGV[3])
+return 1
+"""
+
+# KEYS[1] workers zset; ARGV: liveness window (s), worker key prefix, queue key prefix. Returns
+# [Redis time, then worker JSON, heartbeat time, queue length, ... for each fresh heartbeat].
+_FLEET = """
+local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
+local out = {tostring(now)}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - ARGV[1], '+inf')) do
+  local raw = redis.call('GET', ARGV[2] .. id)
+  if raw then
+    out[#out + 1] = raw
+    out[#out + 1] = redis.call('ZSCORE', KEYS[1], id)
+    out[#out + 1] = redis.call('ZCARD', ARGV[3] .. id)
+  end
+end
+return out
+"""
+
+# KEYS[1] workers zset; ARGV: liveness window (s). Ids of members silent past the window.
+_SILENT = """
+local t = redis.call('TIME')
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (t[1] + t[2] / 1e6 - ARGV[1]))
+"""
+
+
 async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
-    """Announce `info` as live now."""
-    now = time.time()
-    info.heartbeat_at = now
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.set(keys.worker_key(info.id), info.model_dump_json(), ex=int(LIVENESS_WINDOW * 2))
-        pipe.hset(keys.route_info_key(info.id), mapping={
-            "queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
-            "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)})
-        pipe.expire(keys.route_info_key(info.id), int(LIVENESS_WINDOW * 2))
-        pipe.zadd(keys.WORKERS, {info.id: now})
-        await pipe.execute()
+    """Announce `info` as live now (by Redis's clock)."""
+    info.heartbeat_at = time.time()
+    routing = {"queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
+               "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)}
+    await redis.eval(_HEARTBEAT, 3, keys.worker_key(info.id), keys.route_info_key(info.id), keys.WORKERS,
+                     info.model_dump_json(), int(LIVENESS_WINDOW * 2), info.id,
+                     *[item for pair in routing.items() for item in pair])
 
 
 async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> None:
@@ -114,36 +151,29 @@ async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> 
         await pipe.execute()
 
 
-# KEYS[1] workers zset; ARGV: oldest live heartbeat, worker key prefix, queue key prefix.
-# Returns [worker JSON, queue length, ...] for every worker with a fresh heartbeat, in one round trip.
-_FLEET = """
-local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[1], '+inf')) do
-  local raw = redis.call('GET', ARGV[2] .. id)
-  if raw then
-    out[#out + 1] = raw
-    out[#out + 1] = redis.call('ZCARD', ARGV[3] .. id)
-  end
-end
-return out
-"""
+async def forget_member(redis: Redis, worker_id: str) -> None:
+    """Drop a vanished worker from the set once nothing of it is left to move."""
+    await redis.zrem(keys.WORKERS, worker_id)
 
 
-async def fleet(redis: Redis, now: float | None = None) -> list[tuple[WorkerInfo, int]]:
-    """Every worker with a fresh heartbeat (healthy engine or not) and its queue length."""
-    now = time.time() if now is None else now
-    script = redis.register_script(_FLEET)
-    flat = await script(keys=[keys.WORKERS],
-                        args=[now - LIVENESS_WINDOW, keys.worker_key(""), keys.queue_name("")])
-    return [(WorkerInfo.model_validate(orjson.loads(flat[i])), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+async def fleet(redis: Redis) -> list[tuple[WorkerInfo, int]]:
+    """Every worker with a fresh heartbeat (healthy engine or not) and its queue length, in one round
+    trip. `heartbeat_at` is given on this host's clock: now less the heartbeat's age by Redis's."""
+    flat = await redis.eval(_FLEET, 1, keys.WORKERS, LIVENESS_WINDOW, keys.worker_key(""), keys.queue_name(""))
+    redis_now, local_now = float(flat[0]), time.time()
+    members = []
+    for i in range(1, len(flat), 3):
+        info = WorkerInfo.model_validate(orjson.loads(flat[i]))
+        info.heartbeat_at = local_now - (redis_now - float(flat[i + 1]))
+        members.append((info, int(flat[i + 2])))
+    return members
 
 
-async def live_workers(redis: Redis, now: float | None = None) -> list[WorkerInfo]:
+async def live_workers(redis: Redis) -> list[WorkerInfo]:
     """Workers that heartbeat within the liveness window and report a healthy engine."""
-    now = time.time() if now is None else now
-    ids = await redis.zrangebyscore(keys.WORKERS, now - LIVENESS_WINDOW, "+inf")
-    if not ids:
-        return []
-    raws = await redis.mget([keys.worker_key(i.decode()) for i in ids])
-    workers = [WorkerInfo.model_validate(orjson.loads(raw)) for raw in raws if raw]
-    return [w for w in workers if w.engine_ok]
+    return [w for w, _ in await fleet(redis) if w.engine_ok]
+
+
+async def silent_members(redis: Redis) -> list[str]:
+    """Ids still in the set whose heartbeat is older than the liveness window (by Redis's clock)."""
+    return [w.decode() for w in await redis.eval(_SILENT, 1, keys.WORKERS, LIVENESS_WINDOW)]

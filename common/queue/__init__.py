@@ -1,0 +1,20 @@
+"""The queue between the API and the workers: every Redis key (keys.py) and every script lives in
+this package, and nothing else writes Redis. A job's life, step by step:
+
+1. placement.py  The API places a job in one script: idempotency claim, routing over fresh
+                 heartbeats, admission by deadline, the job record, arq's job and its queue entry.
+                 The arq job id is the job's placement ("<job id>.<n>", n = 1 at first).
+2. arq           The worker (stock `arq.Worker`, worker/runner.py) polls its own queue and runs the
+                 placement; arq's abort set carries cancellations to it.
+3. records.py    The worker's `start` marks the record running only if the record still names its
+                 placement; `store` keeps the outcome only from that placement, once, and publishes
+                 "<job id> <status>"; the API's `cancel` ends a job (with a bounded abort mark) and
+                 `collect` reads and removes a sync job's record at delivery.
+4. membership.py Heartbeats (stamped with Redis's clock) say who is live and what it can take.
+5. leases.py     Each worker holds a lease on its id. Once a lease lapses, live workers move that
+                 worker's jobs as new placements; a worker that finds its lease lapsed takes a new
+                 one and stops the jobs taken from it (worker/fencing.py).
+
+Every key has a TTL or a bound: records and arq's job keys expire after the deadline (plus the
+result TTL for async jobs), sync records go at delivery, abort marks live only while a job could
+still be running, and membership keys expire without heartbeats."""

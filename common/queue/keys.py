@@ -1,0 +1,67 @@
+"""Every Redis key and channel the system uses, ours and arq's, in one place."""
+
+from __future__ import annotations
+
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
+
+PREFIX = "openjev:"
+
+WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (Redis's clock, epoch seconds)
+JOB_FUNCTION = "evaluate"  # the arq function name a worker registers for evaluation jobs
+DONE_CHANNEL = PREFIX + "done"  # pub/sub: "<job id> <status>", published when an outcome is stored
+ROUND_ROBIN_TURN = PREFIX + "route:turn"  # counter: the next turn under OPENJEV_ROUTING=round_robin
+
+# arq's keys, per arq job id (a placement, see `placement_id`). arq's worker writes and deletes them;
+# our scripts write the job and its queue entry (as `ArqRedis.enqueue_job` would) and move them.
+ARQ_JOB = job_key_prefix  # string: the serialised job (function, args, enqueue time)
+ARQ_IN_PROGRESS = in_progress_key_prefix  # string: set while a worker runs it
+ARQ_RETRY = retry_key_prefix  # counter: which try this is
+ARQ_ABORTS = abort_jobs_ss  # zset: arq job id -> when its abort was asked (ms); trimmed by `cancel`
+
+
+def queue_name(worker_id: str) -> str:
+    """The arq queue (a zset of arq job ids) that only this worker pulls from."""
+    return f"{PREFIX}queue:{worker_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    """JSON description of a live worker (queue, capacity, model); expires without heartbeats."""
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def route_info_key(worker_id: str) -> str:
+    """Hash: the few fields routing reads (queue, engine_ok, max_jobs, running, avg_job_seconds),
+    written with each heartbeat so the submit script need not decode the whole description."""
+    return f"{PREFIX}routing:{worker_id}"
+
+
+def lease_key(worker_id: str) -> str:
+    """Who may serve this worker id's queue right now: a token, expiring without renewal."""
+    return f"{PREFIX}lease:{worker_id}"
+
+
+def reap_lock_key(worker_id: str) -> str:
+    """Held briefly by the worker moving a vanished worker's jobs elsewhere."""
+    return f"{PREFIX}reap:{worker_id}"
+
+
+def job_key(job_id: str) -> str:
+    """Hash: the job's status record and, once finished, its outcome."""
+    return f"{PREFIX}job:{job_id}"
+
+
+def idempotency_key(key: str) -> str:
+    """"<job id>:<body digest>" of the job submitted under a client's `Idempotency-Key`."""
+    return f"{PREFIX}idem:{key}"
+
+
+def placement_id(job_id: str, placement: int) -> str:
+    """The arq job id of a job's `placement`-th placement (1 when submitted, +1 per move). A job
+    moved off a vanished worker gets new arq keys, so that worker, should it come back, can neither
+    clear nor finish the new copy: its outcome is refused (fencing) and its engine calls aborted."""
+    return f"{job_id}.{placement}"
+
+
+def job_of(arq_job_id: str) -> str:
+    """The job id of an arq job id made by `placement_id`."""
+    return arq_job_id.rpartition(".")[0]

@@ -1,0 +1,151 @@
+"""Ownership and recovery of queues. A worker holds a lease (a token that expires without renewal)
+on its worker id; only once a lease has lapsed may anyone touch that worker's jobs: a restarted
+worker with the same id re-runs what it had in flight, and any live worker moves a vanished
+worker's jobs to the next live worker in their prefix ranking, each as a new placement (new arq
+job id, new arq keys). A renewal never re-creates a lapsed lease: the worker learns that it lapsed
+and fences itself (worker/fencing.py) before it takes a new one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+from redis.asyncio import Redis
+
+from common.queue import keys
+from common.queue.membership import LIVENESS_WINDOW, forget_member, live_workers, silent_members
+from common.routing import rank_workers
+
+log = logging.getLogger("openjev.queue")
+
+LEASE_TTL_MS = int(LIVENESS_WINDOW * 1000)
+
+# KEYS[1] lease; ARGV: token, ttl ms. 1: extended; 0: it lapsed (nobody holds it); -1: another token holds it.
+_RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v == false then return 0 end
+if v ~= ARGV[1] then return -1 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: record, the vanished worker's lease, its queue, the target queue; ARGV: arq job id, arq key
+# prefixes (job, in-progress, retry), job id. Moves one placement off a worker whose lease lapsed:
+# -1 not moved (the id is leased again: its restart resumes the job), 0 no longer in that queue,
+# 2 dropped (the job had ended, was moved before, or its payload expired: nothing to run), 1 moved
+# as the job's next placement, queued on the target with a copy of the payload. The old placement's
+# arq keys go, so nothing of it is left for the vanished worker to run or finish.
+_MOVE = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local score = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if not score then return 0 end
+redis.call('ZREM', KEYS[3], ARGV[1])
+local old = ARGV[2] .. ARGV[1]
+local payload, ttl = redis.call('GET', old), redis.call('PTTL', old)
+redis.call('DEL', old, ARGV[3] .. ARGV[1], ARGV[4] .. ARGV[1])
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement')
+if not payload or ttl <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 2 end
+local new = ARGV[5] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
+redis.call('SET', ARGV[2] .. new, payload, 'PX', ttl)
+redis.call('ZADD', KEYS[4], score, new)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
+return 1
+"""
+
+# KEYS[1] queue; ARGV[1] in-progress key prefix. After taking the lease: the predecessor's claims on
+# the queue's jobs are cleared, so arq runs them again now rather than when the claims expire.
+_RESUME = """
+local n = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do n = n + redis.call('DEL', ARGV[1] .. id) end
+return n
+"""
+
+
+class LeaseLapsed(Exception):
+    """This worker's lease expired (it was paused or cut off): its jobs may have been moved."""
+
+
+class LeaseTaken(Exception):
+    """Another process holds this worker id's lease: this one must stop serving its queue."""
+
+
+class Lease:
+    """The exclusive right to serve one worker id's queue, kept alive by `renew()`."""
+
+    def __init__(self, redis: Redis, worker_id: str) -> None:
+        self.redis = redis
+        self.key = keys.lease_key(worker_id)
+        self.token = secrets.token_hex(8)
+        self._renew = redis.register_script(_RENEW)
+
+    async def acquire(self, patience: float = 4 * LIVENESS_WINDOW) -> None:
+        """Wait until no other process holds the lease (a killed predecessor's lapses), then take
+        it with a new token."""
+        deadline = time.monotonic() + patience
+        token = secrets.token_hex(8)
+        while not await self.redis.set(self.key, token, nx=True, px=LEASE_TTL_MS):
+            if time.monotonic() > deadline:
+                raise LeaseTaken(f"{self.key} is still held by another process")
+            await asyncio.sleep(0.25)
+        self.token = token
+
+    async def renew(self) -> None:
+        """Extend the lease; LeaseLapsed if it expired meanwhile, LeaseTaken if another token holds it."""
+        held = await self._renew(keys=[self.key], args=[self.token, LEASE_TTL_MS])
+        if held == 0:
+            raise LeaseLapsed(f"{self.key} lapsed")
+        if held == -1:
+            raise LeaseTaken(f"{self.key} was taken by another process")
+
+    async def release(self) -> None:
+        if (await self.redis.get(self.key) or b"").decode() == self.token:
+            await self.redis.delete(self.key)
+
+
+async def resume_own_jobs(redis: Redis, queue: str) -> int:
+    """After taking the lease: jobs our predecessor had started become runnable again."""
+    cleared = int(await redis.eval(_RESUME, 1, queue, keys.ARQ_IN_PROGRESS))
+    if cleared:
+        log.info("resuming %d job(s) interrupted on %s", cleared, queue)
+    return cleared
+
+
+async def reap_vanished_workers(redis: Redis) -> int:
+    """Move the jobs of workers whose lease lapsed to the next live worker in each job's ranking;
+    returns how many jobs moved. Safe to run from every worker at once (a per-victim lock)."""
+    stale = await silent_members(redis)
+    if not stale:
+        return 0
+    live = await live_workers(redis)
+    moved = 0
+    for victim in stale:
+        if await redis.exists(keys.lease_key(victim)):
+            continue  # still owned (a restart is under way): its owner resumes the jobs
+        if not await redis.set(keys.reap_lock_key(victim), b"1", nx=True, ex=30):
+            continue
+        moved += await _move_jobs(redis, victim, {w.id: w.queue for w in live})
+    return moved
+
+
+async def _move_jobs(redis: Redis, victim: str, queues: dict[str, str]) -> int:
+    if not queues:
+        return 0  # nowhere to go; they wait (or expire by their deadline)
+    move = redis.register_script(_MOVE)
+    moved = 0
+    for raw in await redis.zrange(keys.queue_name(victim), 0, -1):
+        arq_job_id = raw.decode()
+        job_id = keys.job_of(arq_job_id)
+        route_key = (await redis.hget(keys.job_key(job_id), "route_key") or job_id.encode()).decode()
+        target = queues[rank_workers(route_key, list(queues))[0]]
+        result = await move(keys=[keys.job_key(job_id), keys.lease_key(victim), keys.queue_name(victim), target],
+                            args=[arq_job_id, keys.ARQ_JOB, keys.ARQ_IN_PROGRESS, keys.ARQ_RETRY, job_id])
+        if result == -1:
+            log.info("worker %s is back; it resumes its remaining jobs", victim)
+            return moved
+        moved += result == 1
+    await forget_member(redis, victim)
+    if moved:
+        log.warning("moved %d job(s) from vanished worker %s", moved, victim)
+    return moved

@@ -1,0 +1,188 @@
+"""The job status record in Redis: written when the job is placed (common/queue/placement.py), then
+by the job's current owner (start, store) or by the API (cancel, collect). Every write is a script
+that checks the record first, so the first ending wins and a worker the job was taken from (moved
+off it while it was paused) can neither start it nor store an outcome: the record names its current
+placement, and only that placement's worker passes the check (fencing)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from common.jobs import JobOutcome, JobStatus
+from common.queue import keys
+
+log = logging.getLogger("openjev.queue")
+
+SYNC_KEEP = 60  # seconds a sync job's record outlives its deadline or its outcome: only its caller reads it
+STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
+
+# KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
+# job has not ended; then it is running here and the reply is {created_at, deadline_at, now} by Redis's
+# clock. A
+# running job is taken again only by its own placement (the worker that serves its queue restarted).
+_START = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at')
+if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
+local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now))
+return {f[3], f[4], tostring(now)}
+"""
+
+# KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
+# by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
+# store), 0 refused (ended already, or moved).
+_STORE = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by')
+if f[4] == ARGV[1] then return 1 end
+if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
+redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
+redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
+return 1
+""".replace("SYNC_KEEP", str(SYNC_KEEP))
+
+# KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
+# mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
+# seconds past, unless grace is -1): an async job keeps the outcome for its reader, a sync job's record
+# goes (its caller is the one ending it). Its placement gets an abort mark for arq, and marks older
+# than any job can live are trimmed: the set holds only marks that can still matter.
+_CANCEL = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at')
+if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
+local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
+if tonumber(ARGV[6]) >= 0 and now < tonumber(f[4]) + tonumber(ARGV[6]) then return 0 end
+if f[3] == 'sync' then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+end
+redis.call('PUBLISH', KEYS[3], ARGV[1] .. ' ' .. ARGV[2])
+local now_ms = math.floor(now * 1000)
+redis.call('ZADD', KEYS[2], now_ms, f[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - tonumber(ARGV[5]))
+return 1
+"""
+
+# KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
+_COLLECT = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'outcome')
+if not f[2] then return {f[1] or '', ''} end
+redis.call('DEL', KEYS[1])
+return f
+"""
+
+
+@dataclass(frozen=True)
+class Started:
+    """A job its placement's worker may run now: the seconds it waited and those left before its deadline."""
+
+    waited: float
+    remaining: float
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as the API reports it (times by Redis's clock)."""
+
+    id: str
+    status: JobStatus
+    request_id: str
+    created_at: float
+    deadline_at: float
+    queue: str
+    worker: str | None
+    outcome: JobOutcome | None
+
+
+class JobStore:
+    """Reads and writes job status records; one instance per process, over a shared Redis client."""
+
+    def __init__(self, redis: Redis, result_ttl: int, abort_mark_ttl: float = 3600.0) -> None:
+        """`result_ttl`: seconds an async job's outcome is kept; `abort_mark_ttl`: the longest a job can
+        live from submission to deadline (an abort mark is dropped a minute after that)."""
+        self.redis = redis
+        self.result_ttl = result_ttl
+        self.abort_mark_ms = int((abort_mark_ttl + 60) * 1000)
+        self._start = redis.register_script(_START)
+        self._store = redis.register_script(_STORE)
+        self._cancel = redis.register_script(_CANCEL)
+        self._collect = redis.register_script(_COLLECT)
+
+    async def start(self, arq_job_id: str, worker_id: str) -> Started | None:
+        """Mark the job running on `worker_id` if `arq_job_id` is its current placement and it has not
+        ended; None otherwise (it was moved, cancelled or expired)."""
+        reply = await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))], args=[arq_job_id, worker_id])
+        if reply is None:
+            return None
+        created_at, deadline_at, now = (float(v) for v in reply)
+        return Started(waited=now - created_at, remaining=deadline_at - now)
+
+    async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
+        """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
+        when stored. Retries while Redis is unreachable, until `give_up_at` (time.monotonic())."""
+        job_id = keys.job_of(arq_job_id)
+        args = [arq_job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id]
+        while True:
+            try:
+                return bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
+            except (RedisError, OSError) as exc:
+                if time.monotonic() >= give_up_at:
+                    raise
+                log.warning("job %s: storing its outcome failed (%r); retrying", job_id, exc)
+                await asyncio.sleep(STORE_RETRY_DELAY)
+
+    async def placements(self, arq_job_ids: list[str]) -> list[bool]:
+        """For each arq job id, whether it is still its job's placement."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for arq_job_id in arq_job_ids:
+                pipe.hget(keys.job_key(keys.job_of(arq_job_id)), "placement")
+            current = await pipe.execute()
+        return [c is not None and c.decode() == a for a, c in zip(arq_job_ids, current, strict=True)]
+
+    async def cancel(self, job_id: str, outcome: JobOutcome, after_deadline: float | None = None) -> bool:
+        """End the job with `outcome` unless it already ended, and have arq abort its placement;
+        True when this call ended it. With `after_deadline`, only once its deadline is that many
+        seconds past (by Redis's clock). A sync job's record is removed instead of kept."""
+        return bool(await self._cancel(
+            keys=[keys.job_key(job_id), keys.ARQ_ABORTS, keys.DONE_CHANNEL],
+            args=[job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, self.abort_mark_ms,
+                  -1 if after_deadline is None else after_deadline]))
+
+    async def collect(self, job_id: str) -> tuple[JobStatus | None, JobOutcome | None]:
+        """A sync job's status and, once it ended, its outcome, which is then removed from Redis."""
+        status, outcome = await self._collect(keys=[keys.job_key(job_id)])
+        if not status:
+            return None, None
+        return JobStatus(status.decode()), JobOutcome.model_validate_json(outcome) if outcome else None
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job's record, or None if unknown or expired."""
+        raw: dict[bytes, bytes] = await self.redis.hgetall(keys.job_key(job_id))
+        if not raw:
+            return None
+        return _record(job_id, {k.decode(): v.decode() for k, v in raw.items()})
+
+
+def _record(job_id: str, fields: dict[str, Any]) -> JobRecord:
+    outcome = fields.get("outcome")
+    return JobRecord(
+        id=job_id,
+        status=JobStatus(fields["status"]),
+        request_id=fields.get("request_id", ""),
+        created_at=float(fields.get("created_at", 0.0)),
+        deadline_at=float(fields.get("deadline_at", 0.0)),
+        queue=fields.get("queue", ""),
+        worker=fields.get("worker"),
+        outcome=JobOutcome.model_validate(orjson.loads(outcome)) if outcome else None,
+    )

@@ -1,0 +1,78 @@
+"""arq is used as its authors meant: no subclass of its Worker, no override of its methods, no
+`_`-prefixed arq name anywhere in the project, and the dependency allows the current arq release."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = [p for d in ("api", "common", "worker", "openjev", "bench", "tests") for p in (ROOT / d).rglob("*.py")]
+
+
+def arq_names(tree: ast.Module) -> set[str]:
+    """Local names bound to arq modules or objects by this module's imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "arq":
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "arq"}
+    return names
+
+
+def test_no_class_in_the_project_subclasses_an_arq_class() -> None:
+    offenders = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        imported = arq_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b).split(".")[0] for b in node.bases}
+                if bases & (imported | {"arq"}):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert offenders == []
+
+
+def arq_private_names() -> set[str]:
+    """`_`-prefixed names of arq's modules and of the objects arq hands out (Worker, ArqRedis, Job)."""
+    import arq.connections
+    import arq.jobs
+    import arq.worker
+
+    owners = (arq.worker, arq.connections, arq.jobs, arq.worker.Worker, arq.connections.ArqRedis, arq.jobs.Job)
+    return {n for owner in owners for n in dir(owner) if n.startswith("_") and not n.startswith("__")}
+
+
+def defined_here(tree: ast.Module) -> set[str]:
+    """Names this module defines itself (its own private helpers and attributes)."""
+    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def test_no_underscore_name_of_arq_is_imported_or_used() -> None:
+    private = arq_private_names()
+    offenders = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        foreign = private - defined_here(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "arq":
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names
+                              if a.name.startswith("_")]
+            if isinstance(node, ast.Attribute) and node.attr in foreign:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_the_arq_requirement_allows_the_installed_current_release() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [arq] = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "arq"]
+    assert arq.specifier.contains(version("arq"))
+    assert not any(s.operator in ("<", "<=", "==", "~=") for s in arq.specifier)  # no cap below newer releases

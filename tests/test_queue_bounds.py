@@ -1,0 +1,148 @@
+"""Bounded state and honest endings, with real processes: DELETEs of finished jobs leave no abort
+marks (arq never trims its abort set itself, arq#485); a soak on the scripted engine keeps Redis's
+key count and memory flat, with every key under a TTL or a bound; a client that hangs up is one
+499 `cancelled` in the logs and the metrics."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from common.queue import keys
+from tests.conftest import Stack, isolated_scripted_stack
+from tests.test_api_contract import NOUL, SCORE, body
+from tests.test_metrics import samples
+
+pytestmark = pytest.mark.integration
+
+SOAK_SECONDS = float(os.environ.get("OPENJEV_SOAK_SECONDS", "300"))  # the issue's 5 minutes; shorten locally
+RESULT_TTL = 60  # seconds: short, so the soak reaches its steady state (< 40 % of it) early
+BOUNDED_WITHOUT_TTL = (keys.WORKERS, keys.ARQ_ABORTS)  # bounded by the fleet and by live jobs
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_JOB_RESULT_TTL=str(RESULT_TTL)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(stack.redis_url)
+    yield connection
+    connection.close()
+
+
+def submit(stack: Stack, state: str) -> str:
+    r = httpx.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=state), timeout=30)
+    assert r.status_code == 202, r.text
+    return r.json()["id"]
+
+
+def wait_done(stack: Stack, job_id: str) -> dict:
+    return httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+
+
+@pytest.mark.timeout(900)
+def test_two_thousand_deletes_of_finished_jobs_leave_the_abort_set_empty(stack: Stack, client: redis.Redis) -> None:
+    def finish_then_delete_twenty_times(i: int) -> set[str]:
+        job_id = submit(stack, f"finished {i}")
+        assert wait_done(stack, job_id)["status"] == "succeeded"
+        finished = time.monotonic()
+        deleted = [httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30) for _ in range(20)]
+        assert {r.status_code for r in deleted} == {200}, (time.monotonic() - finished, deleted[-1].text)
+        return {r.json()["status"] for r in deleted}
+
+    with ThreadPoolExecutor(4) as pool:  # 100 finished jobs, 2,000 DELETEs, none changing anything
+        assert set().union(*pool.map(finish_then_delete_twenty_times, range(100))) == {"succeeded"}
+    assert client.zcard(keys.ARQ_ABORTS) == 0
+    stack.script(delay=30.0)
+    try:  # cancelling live jobs does mark them, and arq consumes each mark as it aborts the job
+        live = [submit(stack, f"live {i}") for i in range(3)]
+        deadline = time.monotonic() + 15
+        while len(stack.engine_stats()["live"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for job_id in live:
+            assert httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelled"
+        deadline = time.monotonic() + 10
+        while client.zcard(keys.ARQ_ABORTS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.zcard(keys.ARQ_ABORTS) == 0
+    finally:
+        stack.script(delay=0.0)
+
+
+def test_a_client_that_hangs_up_is_one_499_cancelled_in_logs_and_metrics(stack: Stack, client: redis.Redis) -> None:
+    stack.script(delay=3.0)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            stack.post(body({"a": NOUL}, state="I will not wait"), timeout=1.0)
+        time.sleep(1.5)
+    finally:
+        stack.script(delay=0.0)
+    events = [orjson.loads(line) for line in stack.api.output().splitlines() if line.startswith("{")]
+    requests = [e for e in events if e.get("event") == "request" and e.get("path") == "/v1/systemone"]
+    assert [e["status"] for e in requests] == [499]
+    m = samples(httpx.get(stack.url + "/metrics", timeout=30).text)
+    assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "499")))] == 1
+    assert m[("openjev_jobs_total", (("outcome", "cancelled"),))] >= 1
+    assert ("openjev_requests_total", (("route", "/v1/systemone"), ("status", "504"))) not in m
+    assert ("openjev_jobs_total", (("outcome", "expired"),)) not in m
+    assert not client.keys(keys.job_key(requests[0]["job_id"]))  # a sync job's record goes with its ending
+
+
+@pytest.mark.timeout(SOAK_SECONDS + 600)
+def test_a_soak_keeps_redis_keys_and_memory_flat_and_every_key_bounded(stack: Stack, client: redis.Redis) -> None:
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def traffic(lane: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            state = f"lane {lane} request {n % 50}"
+            try:
+                if lane == 0:  # async: submit, read, and now and then cancel
+                    job_id = submit(stack, state)
+                    if n % 3 == 0:
+                        httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30)
+                    wait_done(stack, job_id)
+                elif lane == 1 and n % 4 == 0:  # a caller that hangs up at once
+                    with pytest.raises(httpx.TimeoutException):
+                        stack.post(body({"a": NOUL, "b": SCORE}, state=state), timeout=0.001)
+                else:
+                    r = stack.post(body({"a": NOUL, "b": SCORE}, state=state), timeout=30)
+                    if r.status_code != 200:
+                        errors.append(r.text)
+            except Exception as exc:
+                errors.append(repr(exc))
+
+    lanes = [threading.Thread(target=traffic, args=(i,), daemon=True) for i in range(3)]
+    for lane in lanes:
+        lane.start()
+    series: list[tuple[int, int]] = []
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < SOAK_SECONDS:
+            time.sleep(SOAK_SECONDS / 30)
+            series.append((client.dbsize(), int(client.info("memory")["used_memory"])))
+    finally:
+        stop.set()
+        for lane in lanes:
+            lane.join(60)
+    assert not errors, errors[:5]
+    early, late = series[12:17], series[-5:]  # past warm-up (> RESULT_TTL), against the end
+    assert max(k for k, _ in late) <= 1.5 * max(k for k, _ in early) + 20, series
+    assert sum(m for _, m in late) / len(late) <= 1.25 * sum(m for _, m in early) / len(early) + 2**20, series
+    unbounded = [k.decode() for k in client.scan_iter(count=1000)
+                 if client.ttl(k) == -1 and not k.decode().startswith((*BOUNDED_WITHOUT_TTL, keys.queue_name("")))]
+    assert unbounded == []

@@ -1,0 +1,116 @@
+"""Fencing with real processes: a worker paused (SIGSTOP) past its lease has its jobs moved to a
+live worker, which answers them; when the paused one resumes it must neither store an outcome nor
+keep its engine calls going: each outcome is announced once, and the engine sees the paused
+worker's calls aborted."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from common.queue import keys
+from common.queue.membership import LIVENESS_WINDOW
+from tests.conftest import Stack, build_stack
+from tests.processes import start_scripted_engine, start_worker
+from tests.redis_servers import fresh_redis
+from tests.test_api_contract import NOUL, body
+
+pytestmark = pytest.mark.integration
+
+JOBS = 4
+PAUSE = 12.0  # seconds: more than twice the lease, so the live worker surely moved the jobs
+
+
+@pytest.fixture
+def fenced_stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    with fresh_redis() as redis_url:
+        stack = build_stack(redis_url, start_scripted_engine(log_dir), model_dir, log_dir, OPENJEV_JOB_TIMEOUT="120")
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+
+class Notices:
+    """Counts the completion notices per job id while the test runs."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.counts: Counter[str] = Counter()
+        self._pubsub = redis.Redis.from_url(redis_url).pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(keys.DONE_CHANNEL)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            message = self._pubsub.get_message(timeout=0.2)
+            if message:
+                self.counts[message["data"].decode().partition(" ")[0]] += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._pubsub.close()
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} within {timeout:g} s")
+
+
+def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_aborted(
+        fenced_stack: Stack) -> None:
+    stack = fenced_stack
+    stack.script(slow_rid_infix=".1.", slow_delay=300.0)  # first placements (on w0) stall; moved ones do not
+    notices = Notices(stack.redis_url)
+    try:
+        ids = [httpx.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=f"state {i}"), timeout=30).json()["id"]
+               for i in range(JOBS)]
+        wait_for(lambda: all(f"{i}.1.warm" in stack.engine_stats()["live"] for i in ids), 30,
+                 "every job's warm call live on w0")
+        stack.workers.append(start_worker(stack.log_dir, stack.env, stack.engine.url, "w1"))
+        wait_for(lambda: len(httpx.get(stack.url + "/health", timeout=5).json()["workers"]) == 2, 60, "w1 live")
+
+        paused = stack.workers[0].process
+        paused.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            for job_id in ids:
+                done = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+                assert done["status"] == "succeeded", done
+            assert time.monotonic() - stopped_at > LIVENESS_WINDOW  # answered only once w0's lease had lapsed
+            time.sleep(max(0.0, PAUSE - (time.monotonic() - stopped_at)))
+        finally:
+            paused.send_signal(signal.SIGCONT)
+
+        def first_placements_ended() -> dict | None:
+            stats = stack.engine_stats()
+            return None if any(".1." in rid for rid in stats["live"]) else stats
+
+        stats = wait_for(first_placements_ended, 15, "the paused worker's calls ended")
+        assert {f"{i}.1.warm" for i in ids} <= set(stats["aborted"])  # aborted, not left to run out
+        assert not any(r.startswith(tuple(ids)) and ".1." in r for r in stats["finished"])
+        time.sleep(2.0)  # room for any stale store to arrive
+        assert {i: notices.counts[i] for i in ids} == {i: 1 for i in ids}  # each outcome stored once
+        for job_id in ids:
+            record = redis.Redis.from_url(stack.redis_url).hgetall(keys.job_key(job_id))
+            assert record[b"status"] == b"succeeded" and record[b"placement"] == f"{job_id}.2".encode()
+        assert stack.workers[0].alive()  # it rejoined with a new lease rather than running on a lapsed one
+        assert "lease_lapsed" in stack.workers[0].output()
+    finally:
+        notices.close()
+        stack.script(slow_rid_infix=None, slow_delay=0.0)

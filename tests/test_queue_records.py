@@ -1,0 +1,142 @@
+"""The job record's scripts (common/queue/records.py) and moves (common/queue/leases.py): only a
+job's current placement starts it or stores its outcome, once; the API's endings leave bounded
+abort marks; sync records go at delivery; a lapsed worker's jobs move as new placements."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from common.jobs import JobOutcome, JobStatus
+from common.queue import keys
+from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, reap_vanished_workers
+from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
+from common.queue.placement import Dispatcher
+from common.queue.records import SYNC_KEEP, JobStore
+from common.settings import RoutingPolicy
+
+DONE = JobOutcome(status=JobStatus.succeeded, result={"answers": {}})
+CANCELLED = JobOutcome(status=JobStatus.cancelled, http_status=499)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def store(redis: Redis) -> JobStore:
+    return JobStore(redis, result_ttl=600, abort_mark_ttl=120)
+
+
+async def join(redis: Redis, worker_id: str) -> WorkerInfo:
+    info = WorkerInfo(id=worker_id, queue=keys.queue_name(worker_id), model="m", max_jobs=4, max_branches=8,
+                      started_at=time.time())
+    await heartbeat(redis, info)
+    return info
+
+
+async def submit(redis: Redis, job_id: str, kind: str = "async", seconds: float = 60.0) -> str:
+    placed = await Dispatcher(redis, 1.25, RoutingPolicy.hash).place(
+        job_id, "k", seconds, {"status": "queued", "request_id": "req_t", "kind": kind}, 600, b"payload")
+    assert placed.queue is not None
+    return placed.queue
+
+
+async def test_only_the_current_placement_starts_and_stores_once_and_announces_id_and_status(
+        redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_a")
+    assert await store.start("job_a.2", "w1") is None  # not its placement
+    started = await store.start("job_a.1", "w1")
+    assert started is not None and 59 < started.remaining <= 60 and 0 <= started.waited < 1
+    record = await store.get("job_a")
+    assert record is not None and (record.status, record.worker) == (JobStatus.running, "w1")
+    async with redis.pubsub() as pubsub:
+        await pubsub.subscribe(keys.DONE_CHANNEL)
+        await pubsub.get_message(timeout=1)
+        assert await store.store("job_a.2", DONE, time.monotonic() + 5) is False
+        assert await store.store("job_a.1", DONE, time.monotonic() + 5) is True
+        failed = JobOutcome(status=JobStatus.failed, http_status=502)
+        assert await store.store("job_a.1", failed, time.monotonic() + 5) is True  # a retry finds its own store
+        notice = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5) is None  # announced once
+    assert notice is not None and notice["data"] == b"job_a succeeded"  # id and status, not the result
+    record = await store.get("job_a")
+    assert record is not None and record.status is JobStatus.succeeded  # stored once
+    assert await store.start("job_a.1", "w1") is None  # ended: never run again
+    assert 590 <= await redis.ttl(keys.job_key("job_a")) <= 600
+
+
+async def test_ending_a_finished_job_leaves_no_abort_mark_and_old_marks_are_trimmed(
+        redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_done")
+    await store.start("job_done.1", "w1")
+    await store.store("job_done.1", DONE, time.monotonic() + 5)
+    for _ in range(50):
+        assert await store.cancel("job_done", CANCELLED) is False
+    assert await redis.zcard(keys.ARQ_ABORTS) == 0
+    await redis.zadd(keys.ARQ_ABORTS, {"job_ancient.1": int((time.time() - 3 * 3600) * 1000)})
+    await submit(redis, "job_live")
+    assert await store.cancel("job_live", CANCELLED) is True
+    assert await redis.zrange(keys.ARQ_ABORTS, 0, -1) == [b"job_live.1"]  # the ancient mark is gone
+    record = await store.get("job_live")
+    assert record is not None and record.status is JobStatus.cancelled
+
+
+async def test_a_sync_job_is_removed_when_collected_or_cancelled(redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_s", kind="sync")
+    assert await store.collect("job_s") == (JobStatus.queued, None)
+    await store.start("job_s.1", "w1")
+    await store.store("job_s.1", DONE, time.monotonic() + 5)
+    assert await redis.ttl(keys.job_key("job_s")) <= SYNC_KEEP
+    status, outcome = await store.collect("job_s")
+    assert status is JobStatus.succeeded and outcome is not None and outcome.result == {"answers": {}}
+    assert not await redis.exists(keys.job_key("job_s"))
+    await submit(redis, "job_t", kind="sync")
+    assert await store.cancel("job_t", CANCELLED) is True
+    assert not await redis.exists(keys.job_key("job_t"))
+    assert await store.store("job_t.1", DONE, time.monotonic() + 5) is False
+
+
+async def test_an_overdue_ending_waits_for_the_deadline_by_redis_time(redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_o", seconds=1.0)
+    expired = JobOutcome(status=JobStatus.expired, http_status=504)
+    assert await store.cancel("job_o", expired, after_deadline=0.5) is False
+    await asyncio.sleep(1.6)
+    assert await store.cancel("job_o", expired, after_deadline=0.5) is True
+
+
+async def test_a_lapsed_workers_jobs_move_as_new_placements_and_the_old_one_is_fenced(
+        redis: Redis, store: JobStore) -> None:
+    await join(redis, "dead")
+    await submit(redis, "job_m")
+    assert await store.start("job_m.1", "dead") is not None  # it was running there
+    await redis.zadd(keys.WORKERS, {"dead": time.time() - LIVENESS_WINDOW - 1})
+    alive = await join(redis, "alive")
+    lease = Lease(redis, "dead")
+    await lease.acquire()
+    assert await reap_vanished_workers(redis) == 0  # leased: its owner resumes its jobs
+    await redis.delete(keys.lease_key("dead"))
+    assert await reap_vanished_workers(redis) == 1
+    assert await redis.zrange(alive.queue, 0, -1) == [b"job_m.2"]
+    assert await redis.get(keys.ARQ_JOB + "job_m.2") == b"payload"
+    assert not await redis.exists(keys.ARQ_JOB + "job_m.1")
+    assert await store.placements(["job_m.1", "job_m.2"]) == [False, True]
+    assert await store.store("job_m.1", DONE, time.monotonic() + 5) is False  # the old owner is fenced
+    assert await store.start("job_m.2", "alive") is not None
+    assert await store.store("job_m.2", DONE, time.monotonic() + 5) is True
+
+
+async def test_a_renewal_never_recreates_a_lapsed_lease(redis: Redis) -> None:
+    lease = Lease(redis, "w9")
+    await lease.acquire()
+    await redis.delete(keys.lease_key("w9"))
+    with pytest.raises(LeaseLapsed):
+        await lease.renew()
+    assert not await redis.exists(keys.lease_key("w9"))
+    await redis.set(keys.lease_key("w9"), "someone-else")
+    with pytest.raises(LeaseTaken):
+        await lease.renew()
