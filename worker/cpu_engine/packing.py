@@ -41,7 +41,7 @@ def forward_packed(model: LoadedModel, past: KeyValues | None, past_length: int,
     from transformers import DynamicCache
 
     new, positions, owners, lasts, spans = _pack(past_length, shared, tails)
-    mask = _block_mask(past_length, torch.tensor(owners), dtype=torch.float32)
+    mask = _block_mask(past_length, torch.tensor(owners), dtype=model.model.dtype)  # sdpa wants the query's
     cache = DynamicCache(ddp_cache_data=past, config=model.model.config)
     with torch.inference_mode():
         out = model.model(input_ids=torch.tensor([new]), position_ids=torch.tensor([positions]),

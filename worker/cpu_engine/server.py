@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from worker.cpu_engine.model import LoadedModel, load_model, resolve_model
+from worker.cpu_engine.model import CpuDtype, LoadedModel, load_model, resolve_model
 from worker.cpu_engine.packing import chunks, forward_packed
 from worker.cpu_engine.prefix_cache import PrefixCache, common_prefix_length
 
@@ -488,16 +488,16 @@ def create_app(model: LoadedModel, compute_delay: float = 0.0, cache_tokens: int
 
 
 def run(host: str, port: int, model: str | None, cache_dir: Path, compute_delay: float = 0.0,
-        cache_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
+        cache_tokens: int = DEFAULT_CACHE_TOKENS, dtype: CpuDtype = "auto") -> None:
     """Serve the engine until interrupted (blocking). The model is converted/loaded before the port opens.
 
-    `model`: an HF-format directory or `.gguf` file, or None for the bundled SmolLM2-135M-Instruct, converted
-    once into `cache_dir`. `compute_delay`: seconds slept before each prompt (tests). `cache_tokens`:
-    prefix-cache capacity in tokens.
+    `model`: a catalog name (`qwen2.5-1.5b`), an HF-format directory or `.gguf` file, or None for the bundled
+    SmolLM2-135M-Instruct, converted once into `cache_dir`. `compute_delay`: seconds slept before each call
+    (tests). `cache_tokens`: prefix-cache capacity in tokens. `dtype`: see `load_model`.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu-engine %(levelname)s %(message)s")
     model_dir, served_name = resolve_model(model, cache_dir)
-    loaded = load_model(model_dir, served_name)
+    loaded = load_model(model_dir, served_name, dtype=dtype)
     log.info("serving %s on http://%s:%d", served_name, host, port)
     uvicorn.run(create_app(loaded, compute_delay, cache_tokens), host=host, port=port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
