@@ -24,7 +24,7 @@ from worker.cpu_engine.prefix_cache import PrefixCache
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
-COMPUTE_DELAY = 2.0  # the slow engine's simulated GPU time per call
+COMPUTE_DELAY = 2.0  # the slow engine's simulated GPU time per prompt
 
 
 def start_engine(model_dir: Path, log_dir: Path, *args: str) -> Proc:

@@ -214,8 +214,8 @@ class ComputeQueue:
     """
 
     def __init__(self, model: LoadedModel, cache_tokens: int, compute_delay: float) -> None:
-        """`cache_tokens`: prefix-cache capacity; `compute_delay`: seconds slept (abortably) before each
-        call's compute (a batch counts once, as on a GPU), to simulate a slow GPU in tests."""
+        """`cache_tokens`: prefix-cache capacity; `compute_delay`: seconds slept (abortably) per prompt before
+        a call's compute (a batch of n sleeps n times as long), to simulate a slow GPU in tests."""
         self.model = model
         self.cache = PrefixCache(cache_tokens)
         self.compute_delay = compute_delay
@@ -304,8 +304,8 @@ class ComputeQueue:
                         self._loop.call_soon_threadsafe(self._settle, job, body)
 
     def _delay(self, call: list[Job]) -> None:
-        """Sleep `compute_delay`, or less once every prompt of the call is aborted."""
-        deadline = time.monotonic() + self.compute_delay
+        """Sleep `compute_delay` per prompt, or less once every prompt of the call is aborted."""
+        deadline = time.monotonic() + self.compute_delay * len(call)
         for job in call:  # waits on each prompt in turn: an abort of all of them ends the wait early
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -492,7 +492,7 @@ def run(host: str, port: int, model: str | None, cache_dir: Path, compute_delay:
     """Serve the engine until interrupted (blocking). The model is converted/loaded before the port opens.
 
     `model`: a catalog name (`qwen2.5-1.5b`), an HF-format directory or `.gguf` file, or None for the bundled
-    SmolLM2-135M-Instruct, converted once into `cache_dir`. `compute_delay`: seconds slept before each call
+    SmolLM2-135M-Instruct, converted once into `cache_dir`. `compute_delay`: seconds slept before each prompt
     (tests). `cache_tokens`: prefix-cache capacity in tokens. `dtype`: see `load_model`.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu-engine %(levelname)s %(message)s")
