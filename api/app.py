@@ -49,7 +49,7 @@ def build_preparer(settings: Settings) -> JobPreparer:
     from common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(settings.tokenizer_source, settings.revision)
-    return JobPreparer(settings, PromptCompiler.for_tokenizer(tokenizer))
+    return JobPreparer(settings, PromptCompiler.for_tokenizer(tokenizer, style=settings.prompt_style))
 
 
 def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastAPI:

@@ -118,12 +118,12 @@ def load_items(name: str, size: int, seed: int) -> list[Item]:
 def _item(name: str, index: int, row: dict[str, Any], split: str) -> Item | None:
     if name == "boolq":
         question = {"type": "noul", "instructions": row["question"].strip().capitalize() + "?"}
-        gold = 0 if row["answer"] == "True" else 1
+        gold = 0 if row["answer"] in (True, "True") else 1
         return Item(name, index, split, row["passage"], question, ["true", "false"], gold)
     if name == "sst2":
         question = {"type": "noul", "instructions": "Is this movie review positive?"}
         return Item(name, index, split, row["sentence"].strip(), question, ["true", "false"],
-                    0 if row["label"] == "1" else 1)
+                    0 if str(row["label"]) == "1" else 1)
     choices = row["choices"]
     texts = [text.strip() for text in choices["text"]]
     if len(set(texts)) != len(texts) or row["answerKey"] not in choices["label"]:

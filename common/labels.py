@@ -48,17 +48,20 @@ class LabelAlphabet:
     double: tuple[Label, ...]
 
     @classmethod
-    def build(cls, tokenizer: PreTrainedTokenizerBase, answer_context: str) -> LabelAlphabet:
-        """Verify labels with `tokenizer` right after `answer_context`, the text that ends with "Answer:"."""
+    def build(cls, tokenizer: PreTrainedTokenizerBase, answer_context: str, spacer: str = " ") -> LabelAlphabet:
+        """Verify labels with `tokenizer` right after `answer_context`, the text that ends with the answer marker.
+
+        `spacer`: what goes between the marker and the letters (" A" after "Answer:", "A" after a newline).
+        """
         verify = _LabelCheck(tokenizer, answer_context)
-        single = tuple(verify.all(f" {letter}" for letter in _UPPER))
+        single = tuple(verify.all(f"{spacer}{letter}" for letter in _UPPER))
         if len(single) < SINGLE_LETTER_OPTIONS:
             missing = sorted(set(_UPPER) - {label.letters for label in single})
             raise LabelAlphabetError(
                 f"the tokenizer does not encode the letters {', '.join(missing)} as single tokens after "
                 f"{answer_context[-20:]!r}: it cannot label answer options"
             )
-        return cls(single=single, double=tuple(_two_letter_labels(verify)))
+        return cls(single=single, double=tuple(_two_letter_labels(verify, spacer)))
 
     @property
     def capacity(self) -> int:
@@ -105,10 +108,10 @@ class _LabelCheck:
                 yield label
 
 
-def _two_letter_labels(verify: _LabelCheck) -> list[Label]:
+def _two_letter_labels(verify: _LabelCheck, spacer: str) -> list[Label]:
     labels: list[Label] = []
     for firsts, seconds in _TWO_LETTER_SETS:
         if len(labels) >= WANTED_CAPACITY:
             break
-        labels.extend(verify.all(f" {a}{b}" for a in firsts for b in seconds))
+        labels.extend(verify.all(f"{spacer}{a}{b}" for a in firsts for b in seconds))
     return labels

@@ -20,12 +20,15 @@ from transformers import PreTrainedTokenizerBase
 
 from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
 from common.labels import Label, LabelAlphabet
+from common.settings import PromptStyle
 
 QuestionKind = Literal["noul", "choice", "score"]
 AnyQuestion = NoulQuestion | ChoiceQuestion | ScoreQuestion
 Loc = tuple[str | int, ...]
 
 ANSWER_MARKER = "Answer:"
+# Per style: the text the suffix ends with, and what stands between it and the label's letters.
+_ANSWER_FORMS = {PromptStyle.inline: (ANSWER_MARKER, " "), PromptStyle.newline: (ANSWER_MARKER + "\n", "")}
 # The prefix ends with this newline and every suffix starts with the fixed word "Question", so the
 # split is a token boundary: without the newline Qwen's pre-tokenizer glues "." onto the next word.
 QUESTION_INTRO = "Read everything above, then answer the multiple-choice question below about it.\n"
@@ -94,17 +97,22 @@ class PromptCompiler:
     """Turns requests into token ids with one tokenizer and its verified label alphabet."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, alphabet: LabelAlphabet, prefix_cache_size: int = 1024
+        self, tokenizer: PreTrainedTokenizerBase, alphabet: LabelAlphabet, prefix_cache_size: int = 1024,
+        style: PromptStyle = PromptStyle.inline,
     ) -> None:
-        """`prefix_cache_size` prefixes keep their ids, so a repeated state is tokenized once."""
+        """`prefix_cache_size` prefixes keep their ids, so a repeated state is tokenized once; `alphabet` must be
+        verified in `style`'s answer context."""
         self._tokenizer = tokenizer
         self._alphabet = alphabet
         self._prefixes = _PrefixCache(prefix_cache_size)
+        self._marker = _ANSWER_FORMS[style][0]
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, prefix_cache_size: int = 1024) -> PromptCompiler:
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, prefix_cache_size: int = 1024,
+                      style: PromptStyle = PromptStyle.inline) -> PromptCompiler:
         """A compiler with the label alphabet verified for `tokenizer` in this compiler's answer context."""
-        return cls(tokenizer, LabelAlphabet.build(tokenizer, answer_context(tokenizer)), prefix_cache_size)
+        alphabet = LabelAlphabet.build(tokenizer, answer_context(tokenizer, style), spacer=_ANSWER_FORMS[style][1])
+        return cls(tokenizer, alphabet, prefix_cache_size, style)
 
     @property
     def alphabet(self) -> LabelAlphabet:
@@ -146,7 +154,7 @@ class PromptCompiler:
                 tail: str, order: list[int] | None) -> CompiledBranch:
         shown = options if order is None else [options[i] for i in order]
         suffix_text = question_text(question, shown, labels, in_order=order is None or order[0] == 0) + tail
-        suffix_text += ANSWER_MARKER
+        suffix_text += self._marker
         _require_unicode(suffix_text, ("body", "questions", question_id))
         return CompiledBranch(
             question_id=question_id,
@@ -162,10 +170,10 @@ class PromptCompiler:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-def answer_context(tokenizer: PreTrainedTokenizerBase) -> str:
+def answer_context(tokenizer: PreTrainedTokenizerBase, style: PromptStyle = PromptStyle.inline) -> str:
     """The text every suffix ends with (template tail + answer marker): labels are verified after it."""
     _, tail = render_split(tokenizer, [])
-    return tail + ANSWER_MARKER
+    return tail + _ANSWER_FORMS[style][0]
 
 
 def render_split(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, str]:

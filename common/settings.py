@@ -6,7 +6,7 @@ import json
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -30,6 +30,11 @@ class RoutingPolicy(StrEnum):
 class ConfidenceMode(StrEnum):
     typesafe = "typesafe"  # the official formulas of the contract
     entropy = "entropy"  # clamp(1 - H(p) / ln n, 0, 1)
+
+
+class PromptStyle(StrEnum):
+    inline = "inline"  # "Answer:" then the label with its leading space (" A"): the default
+    newline = "newline"  # "Answer:", a newline, then the bare label ("A"): the alternative measured against it
 
 
 class Settings(BaseSettings):
@@ -86,6 +91,8 @@ class Settings(BaseSettings):
                          "options (label-order debiasing); a request's `x_debias` overrides it.")
     debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
                                       "min(options, this); below the option count invariance is approximate.")
+    prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
+                                      "answer marker; bench/quality.py measures either.")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
                                      "temperatures applied to each answer's distribution.")
 
@@ -112,10 +119,18 @@ class Settings(BaseSettings):
         default=0.005, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
         "(arq's poll_delay): half of it is the mean wait before a new job starts; see bench/RESULTS.md for its cost.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
+    cpu_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="The CPU engine's dtype; auto: bfloat16 where the CPU has bf16 instructions.")
     redis_dir: Path | None = Field(
         default=None, description="Where `serve`'s embedded Redis keeps its append-only file and password; "
         "defaults to <cache_dir>/redis. One Redis per directory.")
     branch_max_new_tokens: int = Field(default=1, ge=0, le=1, description="0 = prefill-only where supported.")
+    branch_batch_size: int = Field(
+        default=64, ge=1, description="The most branches a worker sends in one batched /generate call (SGLang's "
+        "list form); 1 sends one call per branch.")
+    engine_max_answer_bytes: int = Field(
+        default=1024 * 1024, ge=4096, description="The most response bytes the worker reads per prompt of an "
+        "engine call; a bigger answer fails the job with 502 engine_error.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
     engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
     engine_health_timeout: float = Field(

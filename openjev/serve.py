@@ -25,7 +25,7 @@ from openjev.embedded_redis import DataDirInUse, RedisServer, free_port
 from worker.runner import EXIT_ENGINE_DOWN
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ENGINE_START_TIMEOUT = 600.0  # the CPU engine's first start converts the GGUF
+ENGINE_START_TIMEOUT = 1800.0  # the CPU engine's first start converts the GGUF (minutes for a 1.5B model)
 SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
 RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-looping worker or Redis
 
@@ -57,6 +57,7 @@ class ServeOptions:
     compute_delay: float = 0.0
     shared_redis: bool = False  # use OPENJEV_REDIS_URL (shared by several serve instances), not an embedded one
     sglang_args: list[str] = field(default_factory=list)  # passed through to SGLang after the launcher's flags
+    cpu_model: str | None = None  # a CPU engine catalog name (worker/cpu_engine/model.py); None: SmolLM2
 
 
 class Supervisor:
@@ -128,7 +129,7 @@ class Supervisor:
         env["OPENJEV_REDIS_URL"] = redis_url
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
-            env.setdefault("OPENJEV_SERVED_MODEL_NAME", CPU_MODEL_NAME)
+            env.setdefault("OPENJEV_SERVED_MODEL_NAME", self._cpu_served_name())
         if self.options.sglang_python:
             from worker.sglang_launcher import context_length
 
@@ -144,9 +145,15 @@ class Supervisor:
         return env
 
     def _cpu_model_dir(self) -> Path:
-        from worker.cpu_engine.model import default_tokenizer_dir
+        from worker.cpu_engine.model import catalog_dir, default_tokenizer_dir
 
-        return default_tokenizer_dir(self.settings.cache_dir / "models")
+        models = self.settings.cache_dir / "models"
+        return catalog_dir(self.options.cpu_model, models) if self.options.cpu_model else default_tokenizer_dir(models)
+
+    def _cpu_served_name(self) -> str:
+        from worker.cpu_engine.model import catalog_model
+
+        return catalog_model(self.options.cpu_model).served_name if self.options.cpu_model else CPU_MODEL_NAME
 
     def _engines(self, env: dict[str, str]) -> list[str] | None:
         """Start (or point at) the engines; None if one failed to become healthy."""
@@ -172,8 +179,9 @@ class Supervisor:
             # The launcher's environment carries the frontend switch (SGLANG_RUST_SERVER).
             return sglang_command(self.settings, python=self.options.sglang_python, port=port,
                                   extra_args=self.options.sglang_args, base_env=env)
+        model = ["--model", self.options.cpu_model] if self.options.cpu_model else []
         return _openjev("engine", "--port", str(port), "--cache-dir", str(self.settings.cache_dir / "models"),
-                        "--compute-delay", str(self.options.compute_delay)), env
+                        "--compute-delay", str(self.options.compute_delay), *model), env
 
     def _spawn(self, child: Child) -> None:
         _log(f"starting {child.name}")

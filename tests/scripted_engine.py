@@ -1,6 +1,7 @@
 """A scripted engine at the HTTP boundary for fast worker and API tests: it speaks the same
 `/generate` subset as SGLang and the CPU engine, with logprobs derived from a hash of the prompt,
-and can be told to stall or fail. Never the only test of a path: the CPU engine covers the real one.
+and can be told to stall, fail or answer with output that must not be trusted. Never the only test of
+a path: the CPU engine covers the real one.
 
 Run: python -m tests.scripted_engine --port P
 """
@@ -11,12 +12,19 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+BAD_ANSWERS = ("nan_logprob", "inf_logprob", "minus_inf_logprob", "huge_logprob", "positive_logprob",
+               "meta_info_string", "no_prompt_tokens", "huge", "endless")
+HUGE_ANSWER_BYTES = 40 * 1024 * 1024
 
 
 class Script:
@@ -35,6 +43,7 @@ class Script:
         self.report_cached = True  # False imitates an engine without cached_tokens (0.5.19's Rust frontend)
         self.healthy = True
         self.health_delay = 0.0  # seconds the health route takes to answer
+        self.bad_answer: str | None = None  # answer 200 with untrustworthy output: one of BAD_ANSWERS
 
 
 def create_app() -> FastAPI:
@@ -47,6 +56,7 @@ def create_app() -> FastAPI:
     finished: list[str] = []  # rids answered with logprobs, in order
     aborted_rids: list[str] = []  # rids ended by an abort request, in order
     seen = PrefixTrie()
+    background: set[asyncio.Task[Any]] = set()  # prompts of failed calls, still running
 
     @app.post("/script")
     async def set_script(body: dict[str, Any]) -> dict[str, Any]:
@@ -76,17 +86,33 @@ def create_app() -> FastAPI:
         return JSONResponse(None)
 
     @app.post("/generate")
-    async def generate(request: Request) -> JSONResponse:
-        body = await request.json()
-        rid = body["rid"]
-        ids = body["input_ids"]
-        stats["requests_received"] += 1
-        received.append(rid)
-        if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix):
+    async def generate(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        prompts = batch_items(body)
+        items = [asyncio.create_task(run_prompt(rid, ids, labels)) for rid, ids, labels in prompts]
+        failing = [rid for rid, _, _ in prompts if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix)]
+        if failing:
+            # The call fails as a whole; its other prompts stay live in the engine until they end or are aborted.
+            background.update(items)
+            for item in items:
+                item.add_done_callback(background.discard)
             await asyncio.sleep(script.fail_delay)
             failure = script.fail_body if script.fail_body is not None else {"object": "error",
                                                                               "message": "scripted failure"}
             return JSONResponse(failure, status_code=script.fail_status)
+        answers = await asyncio.gather(*items)
+        answer = answers if isinstance(body["input_ids"][0], list) else answers[0]
+        if script.bad_answer == "endless":
+            return StreamingResponse(endless(), media_type="application/json")
+        if script.bad_answer:
+            return Response(bad_answer(script.bad_answer, answer), media_type="application/json")
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def run_prompt(rid: str, ids: list[int], labels: list[int]) -> dict[str, Any]:
+        stats["requests_received"] += 1
+        received.append(rid)
+        if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix):
+            return {}
         if script.register_delay:
             await asyncio.sleep(script.register_delay)
         aborted = asyncio.Event()
@@ -100,7 +126,7 @@ def create_app() -> FastAPI:
             if aborted.is_set():
                 stats["requests_aborted"] += 1
                 aborted_rids.append(rid)
-                return JSONResponse(_meta(rid, ids, 0, None, [], {"type": "abort", "message": "aborted"}))
+                return _meta(rid, ids, 0, None, [], {"type": "abort", "message": "aborted"})
         finally:
             live.pop(rid, None)
         cached = min(seen.insert(ids), len(ids) - 1)
@@ -108,12 +134,48 @@ def create_app() -> FastAPI:
         finished.append(rid)
         stats["prompt_tokens"] += len(ids)
         stats["cached_tokens"] += cached
-        labels = body.get("token_ids_logprob") or []
         logprobs = [[_logprob(ids, t), t, None] for t in labels]
-        return JSONResponse(_meta(rid, ids, cached if script.report_cached else None, logprobs,
-                                  [], {"type": "length", "length": 1}))
+        return _meta(rid, ids, cached if script.report_cached else None, logprobs, [], {"type": "length", "length": 1})
 
     return app
+
+
+def batch_items(body: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:
+    """(rid, input ids, label ids) per prompt of a single or batched (SGLang list form) /generate body."""
+    labels = body.get("token_ids_logprob") or []
+    if not isinstance(body["input_ids"][0], list):
+        return [(body["rid"], body["input_ids"], labels)]
+    count = len(body["input_ids"])
+    rids = body["rid"] if isinstance(body["rid"], list) else [f"{body['rid']}_{i}" for i in range(count)]
+    per_item = labels if labels and isinstance(labels[0], list) else [labels] * count
+    return list(zip(rids, body["input_ids"], per_item, strict=True))
+
+
+def bad_answer(kind: str, answer: Any) -> bytes:
+    """`answer` spoiled as `kind` says, serialised with the stdlib (which writes NaN and Infinity)."""
+    first = answer[0] if isinstance(answer, list) else answer
+    meta = first["meta_info"]
+    spoilt = {"nan_logprob": math.nan, "inf_logprob": math.inf, "minus_inf_logprob": -math.inf,
+              "positive_logprob": 2.5}
+    if kind in spoilt:
+        meta["output_token_ids_logprobs"][0][0][0] = spoilt[kind]
+    elif kind == "huge_logprob":
+        return json.dumps(answer).replace(repr(meta["output_token_ids_logprobs"][0][0][0]), "1e400", 1).encode()
+    elif kind == "meta_info_string":
+        first["meta_info"] = json.dumps(meta)
+    elif kind == "no_prompt_tokens":
+        del meta["prompt_tokens"]
+    elif kind == "huge":
+        first["text"] = "x" * HUGE_ANSWER_BYTES
+    return json.dumps(answer).encode()
+
+
+async def endless() -> AsyncIterator[bytes]:
+    """A 200 body that never ends (no Content-Length): only a bounded reader gets past it."""
+    yield b'{"text": "'
+    while True:
+        yield b"x" * 65536
+        await asyncio.sleep(0)
 
 
 class PrefixTrie:

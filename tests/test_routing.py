@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 
@@ -160,3 +161,13 @@ def test_the_api_hashes_the_configured_first_k_prefix_tokens(smollm2_compiler: P
     assert all(len(job.prefix_ids) > 200 for job in jobs)  # the system prompt alone is longer than K
     assert {job.prefix_hash for job in jobs} == {prefix_key(jobs[0].prefix_ids[:128])}
     assert len({whole.prepare(support_request(t), "req_test", 60).prefix_hash for t in tickets}) == len(tickets)
+
+
+def test_prefix_key_hashes_the_ids_as_little_endian_uint32_so_routing_survives_an_upgrade() -> None:
+    ids = [0, 1, 255, 256, 151_642, 2**32 - 1, *range(1000, 9000)]
+    h = hashlib.blake2b(digest_size=16)
+    for token in ids:
+        h.update(token.to_bytes(4, "little", signed=False))
+    assert prefix_key(ids) == h.hexdigest()
+    assert prefix_key(ids, first_k=3) == hashlib.blake2b(bytes([0, 0, 0, 0, 1, 0, 0, 0, 255, 0, 0, 0]),
+                                                         digest_size=16).hexdigest()

@@ -15,10 +15,12 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from openjev.embedded_redis import free_port
 from tests.processes import spawn
+from worker import engine_client
 
 pytestmark = pytest.mark.integration
 
@@ -98,6 +100,22 @@ def test_the_worker_requests_decode_as_sglang_generate_requests(api_types: Modul
     warm = api_types.GenerateRequest.from_json_value(warm_request(PROMPT, "w1"))
     assert warm.sampling_params.max_new_tokens == 0
     assert api_types.AbortRequest.from_json_value({"rid": "r1"}).rid == "r1"
+
+
+def test_the_worker_batched_branch_call_decodes_as_one_sglang_generate_request(api_types: ModuleType) -> None:
+    prefix = engine_client.SharedPrefix(PROMPT)
+    prompt = engine_client.BranchPrompt
+    branches = [prompt("job.b0", [7, 8], LABELS), prompt("job.b1", [9], [*LABELS, 51])]
+    batch = api_types.GenerateRequest.from_json_value(orjson.loads(engine_client.score_request(prefix, branches)))
+    assert batch.input_ids == [[*PROMPT, 7, 8], [*PROMPT, 9]]
+    assert batch.rid == ["job.b0", "job.b1"]  # one rid per branch: each can be aborted on its own
+    assert batch.token_ids_logprob == [LABELS, [*LABELS, 51]]  # per prompt, as SGLang's contract allows
+    assert (batch.logprob_start_len, batch.sampling_params.max_new_tokens) == (-1, 1)
+    same = [prompt("job.b0", [7], LABELS), prompt("job.b1", [8], LABELS)]
+    shared = api_types.GenerateRequest.from_json_value(orjson.loads(engine_client.score_request(prefix, same)))
+    assert shared.token_ids_logprob == LABELS  # one list for the whole batch, as in the captured probes
+    single = api_types.GenerateRequest.from_json_value(orjson.loads(engine_client.score_request(prefix, same[:1])))
+    assert (single.rid, single.input_ids, single.token_ids_logprob) == ("job.b0", [*PROMPT, 7], LABELS)
 
 
 def test_a_single_answer_decodes_as_a_generate_response(api_types: ModuleType, engine: str) -> None:

@@ -1,12 +1,23 @@
-"""A worker's branch slots, shared fairly between jobs: when a slot frees it goes to the next job
-in round-robin order, so a 64-question job cannot starve another job's branches."""
+"""A worker's branch slots, shared fairly between jobs. A job asks for as many slots as it has
+branches left and is granted between one and that many at once (they go out in one batched engine
+call); when slots free they are dealt one at a time round-robin across the waiting jobs, so a
+64-question job cannot starve another job's branches."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)  # identity: two waits with the same figures are still two waits
+class _Request:
+    """One job's wait for slots."""
+
+    job_id: str
+    wanted: int
+    granted: int = 0
+    ready: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class BranchSlots:
@@ -15,56 +26,61 @@ class BranchSlots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_use = 0
-        self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
-
-    @asynccontextmanager
-    async def slot(self, job_id: str) -> AsyncIterator[None]:
-        """Hold one slot for the duration of a branch call of `job_id`."""
-        await self._acquire(job_id)
-        try:
-            yield
-        finally:
-            self._release()
+        self._waiting: OrderedDict[str, deque[_Request]] = OrderedDict()
 
     @property
     def waiting(self) -> int:
+        """Requests waiting for slots."""
         return sum(len(q) for q in self._waiting.values())
 
-    async def _acquire(self, job_id: str) -> None:
+    async def acquire(self, job_id: str, wanted: int) -> int:
+        """Wait until `job_id` holds between 1 and `wanted` slots; returns how many. The caller must
+        `release()` that many."""
+        if wanted < 1:
+            raise ValueError("wanted must be at least 1")
         if self.in_use < self.capacity and not self._waiting:
-            self.in_use += 1
-            return
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(job_id, deque()).append(granted)
+            granted = min(wanted, self.capacity - self.in_use)
+            self.in_use += granted
+            return granted
+        request = _Request(job_id, wanted)
+        self._waiting.setdefault(job_id, deque()).append(request)
         try:
-            await granted
+            return await request.ready
         except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                self._release()  # the slot arrived as we were cancelled: pass it on
+            if request.ready.done() and not request.ready.cancelled():
+                self.release(request.granted)  # the slots arrived as we were cancelled: pass them on
             else:
-                self._forget(job_id, granted)
+                self._forget(job_id, request)
             raise
 
-    def _release(self) -> None:
-        while self._waiting:
+    def release(self, count: int) -> None:
+        """Give back `count` slots; they pass straight to waiting jobs, one each in turn."""
+        dealt: list[_Request] = []
+        while count and self._waiting:
             job_id, queue = next(iter(self._waiting.items()))
-            granted = queue.popleft()
-            if queue:
-                self._waiting.move_to_end(job_id)  # this job waits its turn again
+            request = queue[0]
+            if request.ready.done():  # cancelled while waiting
+                queue.popleft()
             else:
+                request.granted += 1
+                count -= 1
+                if request.granted == 1:
+                    dealt.append(request)
+                if request.granted == request.wanted:
+                    queue.popleft()
+            if not queue:
                 del self._waiting[job_id]
-            if not granted.done():
-                granted.set_result(None)  # the slot passes on; in_use is unchanged
-                return
-        self.in_use -= 1
+            else:
+                self._waiting.move_to_end(job_id)  # this job waits its turn again
+        for request in dealt:
+            self._forget(request.job_id, request)  # granted fewer than it wanted: its job asks again
+            request.ready.set_result(request.granted)
+        self.in_use -= count
 
-    def _forget(self, job_id: str, granted: asyncio.Future[None]) -> None:
+    def _forget(self, job_id: str, request: _Request) -> None:
         queue = self._waiting.get(job_id)
-        if queue is None:
+        if queue is None or request not in queue:
             return
-        try:
-            queue.remove(granted)
-        except ValueError:
-            return
+        queue.remove(request)
         if not queue:
             del self._waiting[job_id]

@@ -1,16 +1,27 @@
 """HTTP client for the subset of SGLang's native API the worker uses (`spec/sglang.md`):
-`POST /generate` with input ids and label logprobs, `POST /abort_request` by rid. Both of SGLang's
-HTTP frontends are understood, as measured on 0.5.23 (`tests/data/sglang-0.5.23-cpu/`)."""
+`POST /generate` with input ids and label logprobs (one prompt, or a batch of them in one call),
+`POST /abort_request` by rid. Both of SGLang's HTTP frontends are understood, as measured on 0.5.23
+(`tests/data/sglang-0.5.23-cpu/`). Nothing the engine answers is trusted unchecked: an answer that is
+too big, not the documented shape, or carries logprobs that are not finite log-probabilities is an
+`EngineError`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+DEFAULT_MAX_ANSWER_BYTES = 1024 * 1024
+# A full-vocabulary log-probability is <= 0; float rounding in the engine's log_softmax may go a hair above.
+LOGPROB_CEILING = 1e-3
 
 # How SGLang's Rust frontend answers a call that was aborted: 499 "client disconnected", or 500
 # with this message when the abort came right after the call.
@@ -24,7 +35,7 @@ ABORT_REPEATS = (0.3, 1.0)
 
 
 class EngineError(Exception):
-    """The engine failed a call (HTTP error, malformed answer, unreachable)."""
+    """The engine failed a call (HTTP error, malformed or untrustworthy answer, unreachable)."""
 
 
 class EngineAborted(EngineError):
@@ -41,13 +52,40 @@ class GenerateResult:
     cached_tokens: int | None  # None when the engine does not report it (SGLang's Rust frontend before 0.5.23)
 
 
+@dataclass(frozen=True)
+class BranchPrompt:
+    """One branch as the engine sees it: its rid, the tokens after the shared prefix, the labels to score."""
+
+    rid: str
+    suffix_ids: list[int]
+    label_ids: list[int]
+
+
+class SharedPrefix:
+    """A job's shared prefix ids, serialised to JSON once and spliced into the warm call and every
+    branch's `input_ids` (with 8000-token states, encoding the same ids per branch dominated the worker)."""
+
+    def __init__(self, prefix_ids: list[int]) -> None:
+        self.length = len(prefix_ids)
+        self.json = orjson.dumps(prefix_ids)  # b"[1,2,3]"
+
+    def followed_by(self, suffix_ids: list[int]) -> orjson.Fragment:
+        """The JSON array of the prefix ids and then `suffix_ids`, without re-encoding the prefix."""
+        if not suffix_ids:
+            return orjson.Fragment(self.json)
+        if not self.length:
+            return orjson.Fragment(orjson.dumps(suffix_ids))
+        return orjson.Fragment(self.json[:-1] + b"," + orjson.dumps(suffix_ids)[1:])
+
+
 class EngineClient:
     """Talks to one engine over a pooled HTTP connection."""
 
     def __init__(self, base_url: str, api_key: str | None = None, max_connections: int = 128,
-                 warm_token_ids_logprob: bool = False) -> None:
+                 warm_token_ids_logprob: bool = False, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
         """`warm_token_ids_logprob`: send `token_ids_logprob` on the warm call too (SGLang 0.5.19,
-        sgl-project/sglang#34719, crashes when a batch mixes requests with and without it)."""
+        sgl-project/sglang#34719, crashes when a batch mixes requests with and without it).
+        `max_answer_bytes`: the most response bytes read per prompt of a call; a bigger answer is an error."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=base_url,
@@ -59,6 +97,7 @@ class EngineClient:
                                 keepalive_expiry=2.0),
         )
         self.warm_token_ids_logprob = warm_token_ids_logprob
+        self.max_answer_bytes = max_answer_bytes
         self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
         self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
         self.in_flight = 0  # calls sent and not answered yet
@@ -75,35 +114,39 @@ class EngineClient:
         await asyncio.gather(*self._repeats, return_exceptions=True)
         await self._http.aclose()
 
-    async def warm(self, prefix_ids: list[int], rid: str, timeout: float) -> GenerateResult:
+    async def warm(self, prefix: SharedPrefix, rid: str, timeout: float) -> GenerateResult:
         """Prefill the shared prefix (no decode step) so the branches find it cached."""
         body: dict[str, Any] = {
-            "input_ids": prefix_ids,
+            "input_ids": orjson.Fragment(prefix.json),
             "rid": rid,
             "sampling_params": {"max_new_tokens": 0},
         }
         if self.warm_token_ids_logprob:
             body |= {"return_logprob": True, "logprob_start_len": -1, "token_ids_logprob": [0],
                      "top_logprobs_num": 0, "return_text_in_logprobs": False}
-        meta = await self._generate(body, timeout)
-        return GenerateResult([], int(meta["prompt_tokens"]), _cached(meta))
+        answer = await self._generate(orjson.dumps(body), rid, 1, timeout)
+        meta = _meta_info(answer, rid)
+        return GenerateResult([], meta["prompt_tokens"], _cached(meta))
 
-    async def score_labels(self, input_ids: list[int], label_ids: list[int], rid: str, timeout: float,
-                           max_new_tokens: int = 1) -> GenerateResult:
-        """The unscaled logprob of each label id as the next token after `input_ids`."""
-        body = {
-            "input_ids": input_ids,
-            "rid": rid,
-            # temperature 0 keeps the returned logprobs unscaled; ours is applied in the softmax.
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            "token_ids_logprob": label_ids,
-            "top_logprobs_num": 0,
-            "return_text_in_logprobs": False,
-        }
-        meta = await self._generate(body, timeout)
-        return GenerateResult(_label_logprobs(meta, label_ids), int(meta["prompt_tokens"]), _cached(meta))
+    async def score_branches(self, prefix: SharedPrefix, branches: Sequence[BranchPrompt], timeout: float,
+                             max_new_tokens: int = 1) -> list[GenerateResult]:
+        """The unscaled logprob of each branch's label ids as the next token after prefix + suffix, in
+        one `/generate` call: SGLang's batch form (list-valued `input_ids` and `rid`) for several
+        branches, the single form for one. Results are in `branches` order."""
+        rids = [b.rid for b in branches]
+        batched = len(branches) > 1
+        call = rids[0] if not batched else f"{rids[0]} and {len(rids) - 1} more"
+        answer = await self._generate(score_request(prefix, branches, max_new_tokens), call, len(branches), timeout)
+        answers = answer if batched else [answer]
+        if not isinstance(answers, list) or len(answers) != len(branches):
+            raise EngineError(f"engine answered a batch of {len(branches)} prompts with "
+                              f"{len(answers) if isinstance(answers, list) else type(answers).__name__}")
+        results = []
+        for branch, item in zip(branches, answers, strict=True):
+            meta = _meta_info(item, branch.rid)
+            results.append(GenerateResult(_label_logprobs(meta, branch.label_ids), meta["prompt_tokens"],
+                                          _cached(meta)))
+        return results
 
     async def abort(self, rid: str) -> None:
         """Ask the engine to drop a live request; best effort (it may already have finished). The
@@ -125,30 +168,87 @@ class EngineClient:
             waited = delay
             await self._send_abort(rid)
 
-    async def _generate(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _generate(self, body: bytes, rid: str, prompts: int, timeout: float) -> Any:
+        """POST /generate and return its decoded JSON, read no further than the answer bound."""
+        limit = prompts * self.max_answer_bytes
         self.in_flight += 1
         try:
-            response = await self._http.post("/generate", json=body, timeout=max(timeout, 0.001))
+            async with self._http.stream("POST", "/generate", content=body, headers=JSON_HEADERS,
+                                         timeout=max(timeout, 0.001)) as response:
+                raw = await _read_bounded(response, limit)
         except httpx.TimeoutException as exc:
-            raise TimeoutError(f"engine call {body['rid']} timed out") from exc
+            raise TimeoutError(f"engine call {rid} timed out") from exc
         except httpx.HTTPError as exc:
             raise EngineError(f"engine unreachable: {exc!r}") from exc
         finally:
             self.in_flight -= 1
+        if raw is None:
+            raise EngineError(f"engine answer to {rid} exceeds {limit} bytes ({prompts} prompts)")
         if response.status_code != 200:
-            message = _error_message(response)
+            message = _error_message(raw)
             if _is_abort(response.status_code, message):
-                raise EngineAborted(f"engine aborted {body['rid']}: {message}")
+                raise EngineAborted(f"engine aborted {rid}: {message}")
             raise EngineError(f"engine answered {response.status_code}: {message}")
         self.last_answer_at = time.monotonic()
         try:
-            meta = response.json()["meta_info"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise EngineError("engine answered 200 without meta_info") from exc
-        finish = meta.get("finish_reason") or {}
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise EngineAborted(f"engine aborted {body['rid']}: {finish.get('message', '')}")
-        return meta
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise EngineError(f"engine answered 200 with invalid JSON: {exc}") from exc
+
+
+def score_request(prefix: SharedPrefix, branches: Sequence[BranchPrompt], max_new_tokens: int = 1) -> bytes:
+    """The `/generate` body of a branch call: SGLang's batch form (list-valued `input_ids` and `rid`, one
+    `token_ids_logprob` list per prompt where they differ) for several branches, the single form for one."""
+    rids = [b.rid for b in branches]
+    label_ids = [b.label_ids for b in branches]
+    batched = len(branches) > 1
+    body = {
+        "input_ids": [prefix.followed_by(b.suffix_ids) for b in branches] if batched
+        else prefix.followed_by(branches[0].suffix_ids),
+        "rid": rids if batched else rids[0],
+        # temperature 0 keeps the returned logprobs unscaled; ours is applied in the softmax.
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        # One list for the whole batch when every branch asks for the same labels, else one per branch.
+        "token_ids_logprob": label_ids if batched and any(ids != label_ids[0] for ids in label_ids)
+        else label_ids[0],
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+    }
+    return orjson.dumps(body)
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes | None:
+    """The body, or None once it passes `limit` bytes (the rest is never read)."""
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _meta_info(answer: Any, rid: str) -> dict[str, Any]:
+    """A prompt's `meta_info`, checked for what the worker reads; raises EngineAborted for an abort."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise EngineError(f"engine answer to {rid} has no meta_info object")
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise EngineAborted(f"engine aborted {rid}: {finish.get('message', '')}")
+    if not _is_count(meta.get("prompt_tokens")):
+        raise EngineError(f"engine answer to {rid} lacks a prompt_tokens count")
+    return meta
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _is_abort(status: int, message: str) -> bool:
@@ -157,25 +257,30 @@ def _is_abort(status: int, message: str) -> bool:
 
 def _cached(meta: dict[str, Any]) -> int | None:
     value = meta.get("cached_tokens")
-    return int(value) if isinstance(value, int) else None
+    return value if _is_count(value) else None
 
 
 def _label_logprobs(meta: dict[str, Any], label_ids: list[int]) -> list[float]:
     try:
         position = meta["output_token_ids_logprobs"][0]
         by_id = {int(entry[1]): float(entry[0]) for entry in position}
-        return [by_id[token] for token in label_ids]
+        values = [by_id[token] for token in label_ids]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise EngineError("engine answer lacks the requested label logprobs") from exc
+        raise EngineError(f"engine answer to {meta.get('id')} lacks the requested label logprobs") from exc
+    bad = [v for v in values if not (math.isfinite(v) and v <= LOGPROB_CEILING)]
+    if bad:
+        raise EngineError(f"engine answer to {meta.get('id')} has label logprobs that are not log-probabilities: "
+                          f"{bad[:3]}")
+    return values
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(raw: bytes) -> str:
     """The message of an error answer, in any of the shapes SGLang uses: `{"error": "..."}`,
     `{"error": {"message", "code"?}}`, `{"object": "error", "message"}`, or plain text."""
     try:
-        body = response.json()
-    except ValueError:
-        return response.text[:300]
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw[:300].decode(errors="replace")
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, str):

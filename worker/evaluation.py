@@ -1,6 +1,8 @@
-"""One job's evaluation: a warm call on the shared prefix, then one label-scoring branch call per
-question. On any failure, timeout or cancellation the sibling branches are cancelled and every
-live rid is aborted in the engine, so no GPU time goes to work nobody will read."""
+"""One job's evaluation: a warm call on the shared prefix, then the label-scoring branches, one per
+question (or more, where a scoring scheme asks), sent in batched engine calls of as many branches as
+the worker's slots grant at once. On any failure, timeout or cancellation the other calls are
+cancelled and every live branch rid is aborted in the engine, so no GPU time goes to work nobody will
+read."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from common.jobs import Branch, EvaluationJob, Timings
+from common.jobs import EvaluationJob, Timings
 from common.scoring import question_answers
 from worker.branch_slots import BranchSlots
-from worker.engine_client import EngineClient, GenerateResult
+from worker.engine_client import BranchPrompt, EngineClient, GenerateResult, SharedPrefix
+
+DEFAULT_BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,14 @@ class Evaluation:
 class JobEvaluation:
     """Runs one job against one engine; `run()` either returns answers or leaves nothing live."""
 
-    def __init__(self, job: EvaluationJob, engine: EngineClient, slots: BranchSlots, max_new_tokens: int = 1) -> None:
+    def __init__(self, job: EvaluationJob, engine: EngineClient, slots: BranchSlots, max_new_tokens: int = 1,
+                 batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        """`batch_size`: the most branches sent in one engine call (1: one call per branch)."""
         self.job = job
         self.engine = engine
         self.slots = slots
         self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
         self._live: set[str] = set()  # rids sent to the engine and not yet answered
         self.aborts_sent = 0  # abort requests sent for this job's live calls
 
@@ -53,10 +60,13 @@ class JobEvaluation:
 
     async def _evaluate(self) -> Evaluation:
         started = time.perf_counter()
-        warm = await self._call(f"{self.job.id}.warm", self.engine.warm(
-            self.job.prefix_ids, f"{self.job.id}.warm", self.job.remaining()))
+        prefix = SharedPrefix(self.job.prefix_ids)
+        rid = f"{self.job.id}.warm"
+        self._live.add(rid)
+        warm = await self.engine.warm(prefix, rid, self.job.remaining())
+        self._live.discard(rid)  # only on an answer: a failed or cancelled call stays to be aborted
         warmed = time.perf_counter()
-        results = await self._score_branches()
+        results = await self._score_branches(prefix)
         done = time.perf_counter()
         return Evaluation(
             body=self._response_body(warm, results),
@@ -67,31 +77,35 @@ class JobEvaluation:
             branches_seconds=done - warmed,
         )
 
-    async def _score_branches(self) -> list[GenerateResult]:
-        tasks = [asyncio.create_task(self._score_branch(i, b)) for i, b in enumerate(self.job.branches)]
+    async def _score_branches(self, prefix: SharedPrefix) -> list[GenerateResult]:
+        """Every branch's result, in branch order. Slots are asked for while earlier calls run; the first
+        failure cancels the rest (TaskGroup) and is raised as itself."""
+        prompts = [BranchPrompt(f"{self.job.id}.b{i}", b.suffix_ids, b.label_ids)
+                   for i, b in enumerate(self.job.branches)]
+        results: list[GenerateResult] = []
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = next((t for t in done if t.exception() is not None), None)
-            if failed is not None:
-                raise failed.exception()  # type: ignore[misc]
-            return [t.result() for t in tasks]
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            async with asyncio.TaskGroup() as group:
+                calls = []
+                sent = 0
+                while sent < len(prompts):
+                    granted = await self.slots.acquire(self.job.id, min(self.batch_size, len(prompts) - sent))
+                    call = group.create_task(self._score_batch(prefix, prompts[sent:sent + granted]))
+                    # A done callback runs even for a task cancelled before it started: the slots always return.
+                    call.add_done_callback(lambda _, n=granted: self.slots.release(n))
+                    calls.append(call)
+                    sent += granted
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        for call in calls:
+            results += call.result()
+        return results
 
-    async def _score_branch(self, index: int, branch: Branch) -> GenerateResult:
-        rid = f"{self.job.id}.b{index}"
-        async with self.slots.slot(self.job.id):
-            return await self._call(rid, self.engine.score_labels(
-                self.job.prefix_ids + branch.suffix_ids, branch.label_ids, rid, self.job.remaining(),
-                self.max_new_tokens))
-
-    async def _call(self, rid: str, call) -> GenerateResult:
-        self._live.add(rid)
-        result = await call
-        self._live.discard(rid)  # only on an answer: a failed or cancelled call stays to be aborted
-        return result
+    async def _score_batch(self, prefix: SharedPrefix, prompts: list[BranchPrompt]) -> list[GenerateResult]:
+        rids = [p.rid for p in prompts]
+        self._live.update(rids)
+        results = await self.engine.score_branches(prefix, prompts, self.job.remaining(), self.max_new_tokens)
+        self._live.difference_update(rids)  # only on an answer: a failed or cancelled call stays to be aborted
+        return results
 
     async def _abort_live(self) -> None:
         live, self._live = self._live, set()

@@ -109,7 +109,9 @@ async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, pi
 async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
     """Evaluate; every way it can end becomes an outcome (a cancellation still propagates)."""
     counters: WorkerCounters = ctx["info"].counters
-    evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], ctx["settings"].branch_max_new_tokens)
+    settings: Settings = ctx["settings"]
+    evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], settings.branch_max_new_tokens,
+                               settings.branch_batch_size)
     try:
         result = await evaluation.run()
     except TimeoutError:
@@ -225,7 +227,8 @@ def build_worker(settings: Settings) -> Worker:
     queue = keys.queue_name(worker_id)
     backend_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     engine = EngineClient(settings.engine_url, backend_key, max_connections=settings.max_concurrent_branches + 8,
-                          warm_token_ids_logprob=needs_warm_label_logprobs(settings.sglang_version))
+                          warm_token_ids_logprob=needs_warm_label_logprobs(settings.sglang_version),
+                          max_answer_bytes=settings.engine_max_answer_bytes)
     ctx: dict[str, Any] = {
         "settings": settings,
         "worker_id": worker_id,

@@ -18,7 +18,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "openjev" / "models",
                         help="where GGUF models are converted once (default: ~/.cache/openjev/models)")
     parser.add_argument("--compute-delay", type=float, default=0.0,
-                        help="seconds to sleep, abortably, before each prompt's compute (tests)")
+                        help="seconds to sleep, abortably, per prompt before its compute (tests)")
     parser.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS,
                         help="prefix KV cache capacity in tokens (about 46 KB each for SmolLM2-135M)")
     return parser.parse_args(argv)

@@ -49,7 +49,7 @@ class PrefixCache:
         best_id, best_len = None, 0
         for entry_id, entry in self._entries.items():
             if entry.salt == salt:
-                length = _common_prefix(entry.tokens, tokens)
+                length = common_prefix_length(entry.tokens, tokens)
                 if length > best_len:
                     best_id, best_len = entry_id, length
         best_len = min(best_len, limit)
@@ -69,7 +69,7 @@ class PrefixCache:
         for entry_id, entry in list(self._entries.items()):
             if entry.salt != salt:
                 continue
-            length = _common_prefix(entry.tokens, tokens)
+            length = common_prefix_length(entry.tokens, tokens)
             if length == len(tokens):
                 self._entries.move_to_end(entry_id)
                 return
@@ -90,8 +90,8 @@ class PrefixCache:
         self.size_tokens -= len(self._entries.pop(entry_id).tokens)
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    # Vectorised: one comparison per token, so a lookup is linear in the cached tokens.
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens two 1-D id tensors share (vectorised: a lookup is linear in the tokens)."""
     n = min(len(a), len(b))
     mismatches = torch.nonzero(a[:n] != b[:n])
     return int(mismatches[0]) if len(mismatches) else n

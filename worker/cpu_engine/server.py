@@ -1,15 +1,17 @@
 """The reference CPU engine's HTTP server: the subset of SGLang's native API the worker uses
-(`spec/sglang.md`), answered one prompt at a time by a single compute thread with a prefix KV cache."""
+(`spec/sglang.md`), answered by a single compute thread with a prefix KV cache. A batched /generate
+call is computed as a batch: its prompts' shared start once, then all their tails in one packed pass."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,12 +24,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from worker.cpu_engine.model import LoadedModel, load_model, resolve_model
-from worker.cpu_engine.prefix_cache import PrefixCache
+from worker.cpu_engine.model import CpuDtype, LoadedModel, load_model, resolve_model
+from worker.cpu_engine.packing import chunks, forward_packed
+from worker.cpu_engine.prefix_cache import PrefixCache, common_prefix_length
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_TOKENS = 65536
+# The most new tokens packed into one forward pass: bounds its [new, past + new] attention mask.
+PACKED_TOKENS = 1024
 VERSION = "openjev-cpu-engine"
 
 
@@ -105,7 +110,7 @@ class EngineStats:
     aborts_received: int = 0  # calls to /abort_request, live rid or not
     prompt_tokens: int = 0  # prompt tokens of the prompts that reached the model
     cached_tokens: int = 0  # of those, the tokens whose KV came from the prefix cache
-    forward_passes: int = 0  # model forward calls
+    forward_passes: int = 0  # model forward calls (a packed batch is one)
 
 
 def expand(body: GenerateBody, vocab_size: int, max_context: int) -> tuple[list[StepRequest], bool]:
@@ -201,22 +206,22 @@ def _describe(errors: Any) -> str:
 
 
 class ComputeQueue:
-    """FIFO of prompts computed one at a time by a single thread.
+    """FIFO of /generate calls computed one at a time by a single thread, each call's prompts together.
 
     The event loop owns admission, aborts and answers (the live rids, the futures); the thread owns the
-    model and the prefix cache. The thread checks for an abort before each stage: queued, delayed,
-    looked up, computed.
+    model and the prefix cache. The thread checks for aborts before each stage: queued, delayed,
+    looked up, computed; an aborted prompt of a batch leaves the others to be computed.
     """
 
     def __init__(self, model: LoadedModel, cache_tokens: int, compute_delay: float) -> None:
-        """`cache_tokens`: prefix-cache capacity; `compute_delay`: seconds slept (abortably) before each
-        prompt's compute, to simulate a slow GPU in tests."""
+        """`cache_tokens`: prefix-cache capacity; `compute_delay`: seconds slept (abortably) per prompt before
+        a call's compute (a batch of n sleeps n times as long), to simulate a slow GPU in tests."""
         self.model = model
         self.cache = PrefixCache(cache_tokens)
         self.compute_delay = compute_delay
         self.stats = EngineStats()
         self._live: dict[str, Job] = {}
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="cpu-engine-compute", daemon=True)
 
@@ -227,7 +232,7 @@ class ComputeQueue:
 
     def stop(self) -> None:
         """Let the thread finish its current prompt and exit."""
-        self._jobs.put(None)
+        self._calls.put(None)
         self._thread.join(timeout=10)
 
     def alive(self) -> bool:
@@ -248,8 +253,8 @@ class ComputeQueue:
             job = Job(step, asyncio.get_running_loop().create_future(), time.monotonic())
             self._live[step.rid] = job
             self.stats.requests_received += 1
-            self._jobs.put(job)
             jobs.append(job)
+        self._calls.put(jobs)
         return jobs
 
     def abort(self, rid: str, message: str) -> bool:
@@ -285,35 +290,74 @@ class ComputeQueue:
         job.future.set_result(body)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.cancelled.is_set() or (self.compute_delay and job.cancelled.wait(self.compute_delay)):
-                continue
-            try:
-                body: dict[str, Any] | BaseException | None = self._compute(job)
-            except Exception as exc:  # one bad prompt must fail its call, not stop the engine
-                log.exception("compute failed for %s", job.step.rid)
-                body = exc
-            if body is not None:
+        while (call := self._calls.get()) is not None:
+            self._delay(call)
+            for group in _groups([job for job in call if not job.cancelled.is_set()]):
+                try:
+                    bodies: list[dict[str, Any] | BaseException | None] = list(self._compute(group))
+                except Exception as exc:  # one bad call must fail, not stop the engine
+                    log.exception("compute failed for %s", group[0].step.rid)
+                    bodies = [exc] * len(group)
                 assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._settle, job, body)
+                for job, body in zip(group, bodies, strict=True):
+                    if body is not None:
+                        self._loop.call_soon_threadsafe(self._settle, job, body)
 
-    def _compute(self, job: Job) -> dict[str, Any] | None:
-        step = job.step
-        tokens = torch.tensor(step.input_ids, dtype=torch.long)
-        limit = len(tokens) - 1  # the last token is always computed: its logits are the answer
-        if step.return_logprob and step.logprob_start_len >= 0:
-            limit = min(limit, step.logprob_start_len)
-        hit = self.cache.longest_prefix(step.salt, tokens, limit)
-        if job.cancelled.is_set():
-            return None
-        logits, kv = self.model.forward(step.input_ids[hit.length:], hit.kv)
+    def _delay(self, call: list[Job]) -> None:
+        """Sleep `compute_delay` per prompt, or less once every prompt of the call is aborted."""
+        deadline = time.monotonic() + self.compute_delay * len(call)
+        for job in call:  # waits on each prompt in turn: an abort of all of them ends the wait early
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            job.cancelled.wait(remaining)
+
+    def _compute(self, group: list[Job]) -> Iterator[dict[str, Any] | None]:
+        """Answers for prompts under one salt: the start they share (up to what each may reuse) is looked
+        up in the cache and the rest of it computed once; their tails after it in the same pass."""
+        steps = [job.step for job in group]
+        tokens = [torch.tensor(step.input_ids, dtype=torch.long) for step in steps]
+        shared = min(_reuse_limit(step) for step in steps)
+        for other in tokens[1:]:
+            shared = min(shared, common_prefix_length(tokens[0], other))
+        hit = self.cache.longest_prefix(steps[0].salt, tokens[0], shared)
+        if all(job.cancelled.is_set() for job in group):
+            return iter([None] * len(group))
+        if len(group) == 1:
+            logits, kv = self.model.forward(steps[0].input_ids[hit.length:], hit.kv)
+            all_logits, prompt_kv = [logits], lambda _: kv
+        else:
+            packed = forward_packed(self.model, hit.kv, hit.length, steps[0].input_ids[hit.length:shared],
+                                    [step.input_ids[shared:] for step in steps])
+            all_logits, prompt_kv = packed.logits, packed.prompt_kv
         self.stats.forward_passes += 1
-        self.stats.prompt_tokens += len(tokens)
-        self.stats.cached_tokens += hit.length
-        self.cache.store(step.salt, tokens, kv)
-        if job.cancelled.is_set():
-            return None
-        return _answer(self.model, step, logits, hit.length)
+        for index, step in enumerate(steps):
+            self.stats.prompt_tokens += len(step.input_ids)
+            self.stats.cached_tokens += hit.length
+            self.cache.store(step.salt, tokens[index], prompt_kv(index))  # one copy at a time: memory stays flat
+        return (None if job.cancelled.is_set() else _answer(self.model, job.step, logits, hit.length)
+                for job, logits in zip(group, all_logits, strict=True))
+
+
+def _reuse_limit(step: StepRequest) -> int:
+    """How many leading tokens of a prompt may come from the cache: never its last (its logits are the
+    answer), and no more than a `logprob_start_len` >= 0, as in SGLang."""
+    limit = len(step.input_ids) - 1
+    if step.return_logprob and step.logprob_start_len >= 0:
+        limit = min(limit, step.logprob_start_len)
+    return limit
+
+
+def _groups(jobs: list[Job]) -> Iterator[list[Job]]:
+    """Consecutive prompts under one salt, in chunks that pack at most PACKED_TOKENS tokens of their own
+    (what each has beyond its start in common with the first; the shared start is not counted)."""
+    for _, same_salt in itertools.groupby(jobs, key=lambda job: job.step.salt):
+        group = list(same_salt)
+        first = torch.tensor(group[0].step.input_ids)
+        own = [1] + [len(job.step.input_ids) - common_prefix_length(first, torch.tensor(job.step.input_ids))
+                     for job in group[1:]]
+        for indices in chunks(own, PACKED_TOKENS):
+            yield [group[i] for i in indices]
 
 
 def _answer(model: LoadedModel, step: StepRequest, logits: torch.Tensor, cached: int) -> dict[str, Any]:
@@ -444,16 +488,16 @@ def create_app(model: LoadedModel, compute_delay: float = 0.0, cache_tokens: int
 
 
 def run(host: str, port: int, model: str | None, cache_dir: Path, compute_delay: float = 0.0,
-        cache_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
+        cache_tokens: int = DEFAULT_CACHE_TOKENS, dtype: CpuDtype = "auto") -> None:
     """Serve the engine until interrupted (blocking). The model is converted/loaded before the port opens.
 
-    `model`: an HF-format directory or `.gguf` file, or None for the bundled SmolLM2-135M-Instruct, converted
-    once into `cache_dir`. `compute_delay`: seconds slept before each prompt (tests). `cache_tokens`:
-    prefix-cache capacity in tokens.
+    `model`: a catalog name (`qwen2.5-1.5b`), an HF-format directory or `.gguf` file, or None for the bundled
+    SmolLM2-135M-Instruct, converted once into `cache_dir`. `compute_delay`: seconds slept before each prompt
+    (tests). `cache_tokens`: prefix-cache capacity in tokens. `dtype`: see `load_model`.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu-engine %(levelname)s %(message)s")
     model_dir, served_name = resolve_model(model, cache_dir)
-    loaded = load_model(model_dir, served_name)
+    loaded = load_model(model_dir, served_name, dtype=dtype)
     log.info("serving %s on http://%s:%d", served_name, host, port)
     uvicorn.run(create_app(loaded, compute_delay, cache_tokens), host=host, port=port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)

@@ -1,0 +1,324 @@
+"""What a request costs in CPU, per process of the stack (API, worker, Redis; the engine is a zero-cost
+scripted one and is left out), and how many requests per second one stack serves: this checkout against
+a baseline commit (today's path: one /generate call per branch, stdlib JSON, per-token prefix hashing),
+each a full stack of real processes, measured in the same run with rounds interleaved so that drift in the
+machine's load hits both alike. Medians of the rounds; ratios are new / baseline.
+
+    uv run --extra cpu --extra dev python -m bench.cpu_cost [--baseline REV] [--rounds 3] [--unbatched]
+
+Scenarios: the README example at concurrency 1, 16 and 64; 1/4/16/64 questions and 100/1000/8000-token
+states at concurrency 16 (per-question and per-1k-state-token slopes from them); and each stack at rest.
+The baseline runs from a temporary `git worktree` of REV in an environment synced from REV's own
+pyproject.toml; `--unbatched` adds this checkout with one engine call per branch.
+Figures: bench/RESULTS-cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from common.contract import EXAMPLE_REQUEST
+from openjev.embedded_redis import free_port, start_redis
+from tests.conftest import model_cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BASELINE = "3c3aab0"  # main before batched branch calls (2026-12-01)
+TICKS = os.sysconf("SC_CLK_TCK")
+MEASURED = ("api", "worker", "redis")
+RETRIES_503 = 20
+retried_503: dict[str, int] = {}  # per stack URL: requests answered 503 and sent again
+failed: dict[str, int] = {}  # per stack URL: requests that ended without a 200
+
+
+@dataclass
+class Stack:
+    """One full openjev (Redis, scripted engine, worker, API) running the code in `root`."""
+
+    name: str
+    root: Path
+    python: str  # the interpreter of the environment the stack's code runs in
+    env: dict[str, str] = field(default_factory=dict)  # settings of this stack only
+    url: str = ""
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    body: dict
+    concurrency: int
+    requests: int
+    questions: int
+    state_tokens: int | None = None
+
+
+@dataclass
+class Sample:
+    """One measured run of a scenario on a stack."""
+
+    cpu_ms: dict[str, float]  # CPU-ms per request, per process
+    rps: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.cpu_ms.values())
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def spawn(root: Path, log_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start a process with `root` first on its import path (python -m imports from the working directory)."""
+    log = (log_dir / f"{name}.log").open("wb")
+    return subprocess.Popen(argv, cwd=root, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {timeout} s")
+
+
+@contextmanager
+def running_stack(stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    processes: list[subprocess.Popen[bytes]] = []
+    redis, redis_url = start_redis()
+    processes.append(redis)
+    try:
+        engine_port, api_port = free_port(), free_port()
+        engine = spawn(ROOT, log_dir, f"{stack.name}-engine",
+                       [sys.executable, "-m", "tests.scripted_engine", "--port", str(engine_port)], {})
+        processes.append(engine)
+        wait_ready(f"http://127.0.0.1:{engine_port}/health", engine)
+        env = {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir),
+               "OPENJEV_SERVED_MODEL_NAME": "HuggingFaceTB/SmolLM2-135M-Instruct", "OPENJEV_LOG_LEVEL": "WARNING",
+               "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), "OPENJEV_REQUEST_TIMEOUT": "300", **stack.env}
+        worker = spawn(stack.root, log_dir, f"{stack.name}-worker", [stack.python, "-m", "openjev", "worker"],
+                       {**env, "OPENJEV_ENGINE_URL": f"http://127.0.0.1:{engine_port}",
+                        "OPENJEV_WORKER_ID": f"{stack.name}-0"})
+        processes.append(worker)
+        api = spawn(stack.root, log_dir, f"{stack.name}-api",
+                    [stack.python, "-m", "openjev", "api", "--port", str(api_port)], env)
+        processes.append(api)
+        stack.url = f"http://127.0.0.1:{api_port}"
+        wait_ready(f"{stack.url}/health", api)
+        stack.pids = {"api": api.pid, "worker": worker.pid, "redis": redis.pid}
+        yield stack
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@contextmanager
+def baseline_checkout(revision: str) -> Iterator[Path]:
+    """A temporary worktree of `revision` with its own environment, synced from its own pyproject.toml (so
+    it has exactly the dependencies that revision declared: no `sniffio` for today's path); removed
+    afterwards. The API and worker need no torch; the scripted engine runs from this checkout."""
+    path = Path(tempfile.mkdtemp(prefix="openjev-baseline-")) / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision], check=True,
+                   capture_output=True)
+    try:
+        subprocess.run(["uv", "sync", "--project", str(path), "--no-dev", "--quiet"], check=True,
+                       env={**os.environ, "UV_PROJECT_ENVIRONMENT": str(path / ".venv")})
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
+
+
+async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
+    """Send `requests` copies of `body`, `concurrency` at a time; returns the wall seconds."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        remaining = iter(range(requests))
+
+        async def caller() -> None:
+            for _ in remaining:
+                for _attempt in range(RETRIES_503):
+                    response = await client.post("/v1/systemone", json=body)
+                    if response.status_code != 503:
+                        break
+                    # On an overloaded machine the baseline's worker may miss a heartbeat while its
+                    # engine health check waits (fixed since); retry rather than abort the run.
+                    retried_503[url] = retried_503.get(url, 0) + 1
+                    await asyncio.sleep(0.5)
+                if response.status_code != 200:  # counted and reported; one failure must not lose the run
+                    failed[url] = failed.get(url, 0) + 1
+                    print(f"{url}: {response.status_code} {response.text[:300]}", file=sys.stderr)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return time.perf_counter() - started
+
+
+def measure(stack: Stack, scenario: Scenario) -> Sample:
+    before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+    wall = asyncio.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
+    after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+    cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
+    return Sample(cpu, scenario.requests / wall)
+
+
+def idle_ms_per_second(stack: Stack, seconds: float) -> dict[str, float]:
+    before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+    time.sleep(seconds)
+    after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+    return {name: (after[name] - before[name]) * 1000 / seconds for name in MEASURED}
+
+
+def noul_questions(count: int) -> dict:
+    return {f"q{i}": {"type": "noul", "instructions": f"Does the customer mention problem number {i}?"}
+            for i in range(count)}
+
+
+def state_of(tokens: int, tokenizer_dir: Path) -> str:
+    """A conversation state of about `tokens` tokens in the served model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    sentence = "The customer says the parcel arrived late and the box was damaged on one side. "
+    per_sentence = len(tokenizer.encode(sentence))
+    return sentence * max(1, round(tokens / per_sentence))
+
+
+def scenarios(model_dir: Path, quick: bool) -> list[Scenario]:
+    scale = 0.25 if quick else 1.0
+
+    def n(count: int) -> int:
+        return max(4, int(count * scale))
+
+    example = dict(EXAMPLE_REQUEST)
+    found = [Scenario(f"README example, c={c}", example, c, n(count), len(example["questions"]))
+             for c, count in ((1, 24), (16, 64), (64, 128))]
+    for questions, count in ((1, 64), (4, 48), (16, 32), (64, 16)):
+        body = {"model": "jev-latest", "state": "I was charged twice for one order.",
+                "questions": noul_questions(questions)}
+        found.append(Scenario(f"{questions} questions, c=16", body, 16, n(count), questions))
+    for tokens, count in ((100, 48), (1000, 32), (8000, 16)):
+        body = {"model": "jev-latest", "state": state_of(tokens, model_dir), "questions": example["questions"]}
+        found.append(Scenario(f"{tokens}-token state, c=16", body, 16, n(count), len(example["questions"]),
+                              tokens))
+    return found
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x."""
+    mean_x = statistics.mean(x for x, _ in points)
+    mean_y = statistics.mean(y for _, y in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+
+
+def median_sample(samples: list[Sample]) -> Sample:
+    cpu = {name: statistics.median(s.cpu_ms[name] for s in samples) for name in MEASURED}
+    return Sample(cpu, statistics.median(s.rps for s in samples))
+
+
+def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], found: list[Scenario],
+           idle: dict[str, list[dict[str, float]]]) -> list[str]:
+    base, new = stacks[0].name, stacks[-1].name
+    lines = ["| scenario | stack | API | worker | Redis | total CPU-ms/request | requests/s | total ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    medians = {key: median_sample(samples) for key, samples in results.items()}
+    for scenario in found:
+        reference = medians[(scenario.name, base)].total
+        for stack in stacks:
+            m = medians[(scenario.name, stack.name)]
+            ratio = "" if stack.name == base else f"**{m.total / reference:.2f}×**"
+            lines.append(f"| {scenario.name} | {stack.name} | {m.cpu_ms['api']:.2f} | {m.cpu_ms['worker']:.2f} | "
+                         f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} |")
+    lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
+    for stack in stacks:
+        per_question = slope([(s.questions, medians[(s.name, stack.name)].total) for s in found
+                              if s.name.endswith("questions, c=16")])
+        per_1k = slope([(s.state_tokens / 1000, medians[(s.name, stack.name)].total) for s in found
+                        if s.state_tokens])
+        lines.append(f"| per question | {stack.name} | {per_question:.2f} |")
+        lines.append(f"| per 1k state tokens | {stack.name} | {per_1k:.2f} |")
+    lines += ["", "| at rest | stack | API | worker | Redis | total CPU-ms per second |", "|---|---|---|---|---|---|"]
+    for stack in stacks:
+        rest = {name: statistics.median(r[name] for r in idle[stack.name]) for name in MEASURED}
+        lines.append(f"| idle | {stack.name} | {rest['api']:.2f} | {rest['worker']:.2f} | {rest['redis']:.2f} | "
+                     f"{sum(rest.values()):.2f} |")
+    lines.append("")
+    lines.append(f"ratios: {new} / {base}, medians of the rounds")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of today's path")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per scenario and stack")
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="also run this checkout with OPENJEV_BRANCH_BATCH_SIZE=1 (one call per branch)")
+    args = parser.parse_args()
+
+    from worker.cpu_engine.model import ensure_converted
+
+    model_dir = ensure_converted(model_cache_dir())
+    log_dir = Path(tempfile.mkdtemp(prefix="openjev-cpu-cost-"))
+    found = scenarios(model_dir, args.quick)
+    with ExitStack() as resources:
+        base_root = resources.enter_context(baseline_checkout(args.baseline))
+        wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"))]
+        if args.unbatched:
+            wanted.append(Stack("this, batch size 1", ROOT, sys.executable, {"OPENJEV_BRANCH_BATCH_SIZE": "1"}))
+        wanted.append(Stack("this checkout", ROOT, sys.executable))
+        stacks = [resources.enter_context(running_stack(stack, model_dir, log_dir)) for stack in wanted]
+        for stack in stacks:  # connections, tokenizer caches, the engine's first calls
+            for scenario in found:
+                asyncio.run(load(stack.url, scenario.body, 4, 8))
+        results: dict[tuple[str, str], list[Sample]] = {}
+        idle: dict[str, list[dict[str, float]]] = {s.name: [] for s in stacks}
+        for round_index in range(args.rounds):
+            order = stacks if round_index % 2 == 0 else stacks[::-1]
+            for scenario in found:
+                for stack in order:
+                    sample = measure(stack, scenario)
+                    results.setdefault((scenario.name, stack.name), []).append(sample)
+                    parts = " ".join(f"{name} {sample.cpu_ms[name]:.2f}" for name in MEASURED)
+                    print(f"round {round_index + 1} {scenario.name:28} {stack.name:18} {sample.total:7.2f} CPU-ms "
+                          f"({parts}) {sample.rps:7.1f} req/s", file=sys.stderr, flush=True)
+            for stack in order:
+                idle[stack.name].append(idle_ms_per_second(stack, args.idle_seconds))
+            # The report so far after every round: a run cut short still leaves its medians.
+            print(f"after round {round_index + 1} of {args.rounds}; scripted engine (not measured); load average "
+                  f"{os.getloadavg()[0]:.1f}; logs in {log_dir}")
+            for stack in stacks:
+                print(f"{stack.name}: {retried_503.get(stack.url, 0)} requests answered 503 and sent again, "
+                      f"{failed.get(stack.url, 0)} without a 200")
+            print("\n".join(report(stacks, results, found, idle)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
