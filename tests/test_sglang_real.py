@@ -22,8 +22,8 @@ import orjson
 import pytest
 import redis
 
-from common import keys
 from common.contract import EXAMPLE_REQUEST
+from common.queue import keys
 from tests.conftest import FIGURES, Stack
 from tests.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
 
