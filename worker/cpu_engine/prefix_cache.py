@@ -46,19 +46,26 @@ class PrefixCache:
 
         The returned KV is a copy: callers may extend it freely.
         """
-        best_id, best_len = None, 0
-        for entry_id, entry in self._entries.items():
-            if entry.salt == salt:
-                length = common_prefix_length(entry.tokens, tokens)
-                if length > best_len:
-                    best_id, best_len = entry_id, length
-        best_len = min(best_len, limit)
+        best_id, best_len = self._longest(salt, tokens, limit)
         if best_id is None or best_len <= 0:
             return PrefixHit(0, None)
         self._entries.move_to_end(best_id)
         kv = tuple((k[..., :best_len, :].clone(), v[..., :best_len, :].clone()) for k, v in
                    self._entries[best_id].kv)
         return PrefixHit(best_len, kv)
+
+    def match_length(self, salt: str, tokens: torch.Tensor, limit: int) -> int:
+        """How many leading tokens of `tokens` (at most `limit`) a `longest_prefix` would reuse; no copy."""
+        return self._longest(salt, tokens, limit)[1]
+
+    def _longest(self, salt: str, tokens: torch.Tensor, limit: int) -> tuple[int | None, int]:
+        best_id, best_len = None, 0
+        for entry_id, entry in self._entries.items():
+            if entry.salt == salt:
+                length = common_prefix_length(entry.tokens, tokens)
+                if length > best_len:
+                    best_id, best_len = entry_id, length
+        return best_id, min(best_len, limit)
 
     def store(self, salt: str, tokens: torch.Tensor, kv: KeyValues) -> None:
         """Keep the KV of a computed prompt, evicting the least recently used prompts beyond capacity.

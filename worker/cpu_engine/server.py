@@ -320,6 +320,10 @@ class ComputeQueue:
         shared = min(_reuse_limit(step) for step in steps)
         for other in tokens[1:]:
             shared = min(shared, common_prefix_length(tokens[0], other))
+        if len(group) > 1 and any(self.cache.match_length(step.salt, ids, _reuse_limit(step)) > shared
+                                  for step, ids in zip(steps, tokens, strict=True)):
+            # a prompt cached beyond the start the group shares reuses its own KV, as in SGLang: one by one
+            return iter([answer for job in group for answer in self._compute([job])])
         hit = self.cache.longest_prefix(steps[0].salt, tokens[0], shared)
         if all(job.cancelled.is_set() for job in group):
             return iter([None] * len(group))
