@@ -116,9 +116,13 @@ def test_a_soak_keeps_redis_keys_and_memory_flat_and_every_key_bounded(stack: St
                     if n % 3 == 0:
                         httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30)
                     wait_done(stack, job_id)
-                elif lane == 1 and n % 4 == 0:  # a caller that hangs up at once
-                    with pytest.raises(httpx.TimeoutException):
-                        stack.post(body({"a": NOUL, "b": SCORE}, state=state), timeout=0.001)
+                elif lane == 1 and n % 4 == 0:  # a caller that hangs up at once (or, rarely, is answered first)
+                    try:
+                        r = stack.post(body({"a": NOUL, "b": SCORE}, state=state), timeout=0.001)
+                    except httpx.TimeoutException:
+                        continue
+                    if r.status_code != 200:
+                        errors.append(r.text)
                 else:
                     r = stack.post(body({"a": NOUL, "b": SCORE}, state=state), timeout=30)
                     if r.status_code != 200:
