@@ -1,5 +1,5 @@
 """Branch slots are granted by size (a job gets up to what it asks for, in one grant), freed slots are
-dealt round-robin between waiting jobs, and a cancelled waiter gives its turn away."""
+dealt round-robin between waiting jobs in turns of a fair share, and a cancelled waiter gives its turn away."""
 
 from __future__ import annotations
 
@@ -33,6 +33,22 @@ async def test_freed_slots_are_dealt_one_each_in_turn_not_all_to_the_biggest_job
     assert (await big, await small, await medium) == (2, 1, 1)
     assert slots.in_use == 4 and slots.waiting == 0
     slots.release(4)
+    assert slots.in_use == 0
+
+
+async def test_slots_freed_a_few_at_a_time_go_out_in_fair_shares_not_one_by_one() -> None:
+    slots = BranchSlots(12)
+    assert await slots.acquire("first", 12) == 12
+    waiting = [asyncio.create_task(slots.acquire(name, 10)) for name in ("a", "b", "c")]
+    await asyncio.sleep(0)
+    slots.release(4)  # one call of 4 branches finished: a fair share is 12 / 3 jobs = 4, all to a
+    await asyncio.sleep(0)
+    assert [task.done() for task in waiting] == [True, False, False]
+    assert await waiting[0] == 4
+    slots.release(8)  # two jobs wait now: a share is 12 / 2 = 6, so b gets 6 and c the 2 left, in one batch each
+    assert (await waiting[1], await waiting[2]) == (6, 2)
+    assert slots.in_use == 12 and slots.waiting == 0
+    slots.release(12)
     assert slots.in_use == 0
 
 

@@ -1,7 +1,8 @@
 """A worker's branch slots, shared fairly between jobs. A job asks for as many slots as it has
 branches left and is granted between one and that many at once (they go out in one batched engine
-call); when slots free they are dealt one at a time round-robin across the waiting jobs, so a
-64-question job cannot starve another job's branches."""
+call); when slots free they are dealt round-robin across the waiting jobs in turns of a fair share
+(capacity ÷ jobs waiting, at least one), so a 64-question job cannot starve another job's branches and
+slots freed a few at a time under contention still go out as batches, not as calls of one branch."""
 
 from __future__ import annotations
 
@@ -54,17 +55,19 @@ class BranchSlots:
             raise
 
     def release(self, count: int) -> None:
-        """Give back `count` slots; they pass straight to waiting jobs, one each in turn."""
+        """Give back `count` slots; they pass straight to waiting jobs, a fair share each in turn."""
         dealt: list[_Request] = []
+        share = max(1, self.capacity // max(1, len(self._waiting)))
         while count and self._waiting:
             job_id, queue = next(iter(self._waiting.items()))
             request = queue[0]
             if request.ready.done():  # cancelled while waiting
                 queue.popleft()
             else:
-                request.granted += 1
-                count -= 1
-                if request.granted == 1:
+                given = min(share, count, request.wanted - request.granted)
+                request.granted += given
+                count -= given
+                if request.granted == given:
                     dealt.append(request)
                 if request.granted == request.wanted:
                     queue.popleft()
