@@ -15,7 +15,8 @@ SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0+cpu
 
 VENV=$(realpath -m "${1:-.cache/sglang-venv}")
-DONE="$VENV/.openjev-sglang-$SGLANG_VERSION"
+RECIPE=2  # bump when this script changes what it installs: an environment of an older recipe is rebuilt
+DONE="$VENV/.openjev-sglang-$SGLANG_VERSION-r$RECIPE"
 
 # Reads the installed version's metadata only: importing sglang would load torch (slow).
 if [ -f "$DONE" ] && "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'" 2>/dev/null; then
@@ -31,16 +32,18 @@ fi
 
 started=$(date +%s)
 rm -rf "$VENV"
-uv venv -q -p 3.11 "$VENV"
+# --no-config: this environment is not the project's; run from the repo, uv would otherwise apply
+# pyproject.toml's [tool.uv] overrides (which drop `datasets`, and with it sglang's `dill`).
+uv venv -q --no-config -p 3.11 "$VENV"
 export VIRTUAL_ENV="$VENV"
 
 # 1. CPU torch and sglang itself, without sglang's CUDA pins.
-uv pip install -q --find-links "$WHEELS" "torch==$TORCH_VERSION" "sglang==$SGLANG_VERSION" --no-deps
+uv pip install -q --no-config --find-links "$WHEELS" "torch==$TORCH_VERSION" "sglang==$SGLANG_VERSION" --no-deps
 
 # 2. sglang's runtime dependencies less the CUDA-only ones (flashinfer, cutlass-dsl, deep-gemm/ep,
 #    flash-mla, sglang-kernel, flash-attn-4, quack, tilelang, humming, nvshmem, cuda-python,
 #    torch_memory_saver, torchaudio, torchcodec, smg-grpc). torch is named again so nothing replaces it.
-uv pip install -q --find-links "$WHEELS" "torch==$TORCH_VERSION" \
+uv pip install -q --no-config --find-links "$WHEELS" "torch==$TORCH_VERSION" \
     aiohttp 'anthropic>=0.20.0' blobfile==3.0.0 build compressed-tensors==0.18.0 datasets distro easydict einops \
     fastapi gguf interegular IPython 'llguidance>=1.7.6,<2' msgspec ninja numba==0.65.1 numpy nvidia-ml-py \
     openai==2.8.0 openai-harmony==0.0.4 orjson outlines==0.1.11 packaging partial_json_parser pillow \
@@ -91,5 +94,7 @@ def __getattr__(name):
 PY
 
 "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '$SGLANG_VERSION'"
+# What the launch imports first (server arguments and model configs): a missing dependency shows here.
+"$VENV/bin/python" -c "import sglang.srt.arg_groups.pipeline"
 touch "$DONE"
 echo "SGLang $SGLANG_VERSION installed in $VENV in $(( $(date +%s) - started )) s ($(du -sh "$VENV" | cut -f1))" >&2
