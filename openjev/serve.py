@@ -7,6 +7,7 @@ container platform replaces it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from worker.runner import EXIT_ENGINE_DOWN
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ENGINE_START_TIMEOUT = 1800.0  # the CPU engine's first start converts the GGUF (minutes for a 1.5B model)
 SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
+SGLANG_STOP_TIMEOUT = 30.0  # SGLang stops its scheduler and detokenizer before it exits; a busy CPU slows that
 RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-looping worker or Redis
 
 
@@ -42,9 +44,36 @@ class Child:
     launch: Callable[[], subprocess.Popen[bytes]] | None = None  # how to start it, when not `argv` with `env`
     process: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
+    own_group: bool = False  # started as its own process group, so stopping it reaches every process it forked
 
     def start(self) -> None:
-        self.process = self.launch() if self.launch else subprocess.Popen(self.argv, env=self.env)
+        self.process = self.launch() if self.launch else subprocess.Popen(self.argv, env=self.env,
+                                                                          start_new_session=self.own_group)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout` s; with `own_group`, to the whole group, and the group is
+        killed even when its leader exits in time (SGLang's scheduler and detokenizer are its children)."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                process.wait()
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        assert self.process is not None
+        if self.own_group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signum)
+        else:
+            self.process.send_signal(signum)
 
 
 @dataclass
@@ -163,7 +192,8 @@ class Supervisor:
         for i in range(self.options.workers):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            self._spawn(Child(f"engine-{i}", *self._engine_command(port, env)))
+            self._spawn(Child(f"engine-{i}", *self._engine_command(port, env),
+                              own_group=bool(self.options.sglang_python)))
             urls.append(url)
         timeout = SGLANG_START_TIMEOUT if self.options.sglang_python else ENGINE_START_TIMEOUT
         for url, child in zip(urls, self.children[-len(urls):], strict=True):
@@ -241,15 +271,7 @@ class Supervisor:
     def _stop_all(self) -> None:
         # Reverse start order: the API stops taking requests first, Redis goes last.
         for child in reversed(self.children):
-            process = child.process
-            if process is None or process.poll() is not None:
-                continue
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            child.stop(timeout=SGLANG_STOP_TIMEOUT if child.own_group else 10)
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.options.host in ("0.0.0.0", "::") else self.options.host

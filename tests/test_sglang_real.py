@@ -111,7 +111,7 @@ def test_many_questions_on_one_state_are_all_answered_and_hit_the_warmed_prefix(
 
 def test_a_state_longer_than_the_models_context_is_refused_with_422(sglang: SglangServe) -> None:
     # serve took SmolLM2's 8192-token context from its config.json and gave the API the same limit.
-    response = sglang.post(body("refund please " * 4000))
+    response = sglang.post(body("refund please " * 5000))  # 10,000 tokens (4000 repeats fit, at 8002 + ~100)
     assert response.status_code == 422, response.text
     assert "over the limit of 8192" in response.text
 
