@@ -23,6 +23,8 @@ CHROMIUM_FLAGS = [
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
 ]
 OPERATION = "Evaluate a state against named questions"
+# Chromium renders these pages in ~2 s on a quiet 2-core machine; under a loaded CI one took over 30 s.
+LOAD_TIMEOUT_MS = 120_000
 
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Debian's `chromium` package (apt-get install -y chromium)")
@@ -64,12 +66,12 @@ class OfflinePage:
 
     def show(self, url: str, *texts: str) -> None:
         """Load `url` and wait until each of `texts` is visible on it."""
-        self.page.goto(url, wait_until="networkidle")
+        self.page.goto(url, wait_until="networkidle", timeout=LOAD_TIMEOUT_MS)
         for text in texts:
-            expect(self.page.get_by_text(text).first).to_be_visible(timeout=30_000)
+            expect(self.page.get_by_text(text).first).to_be_visible(timeout=LOAD_TIMEOUT_MS)
 
     def assert_clean(self) -> None:
-        self.page.wait_for_load_state("networkidle")
+        self.page.wait_for_load_state("networkidle", timeout=LOAD_TIMEOUT_MS)
         assert self.blocked == [], "the page reached for the internet"
         assert self.failed == [], "assets failed to load"
         assert self.errors == [], "the page logged errors"

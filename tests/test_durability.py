@@ -158,13 +158,17 @@ def test_accepted_jobs_are_all_answered_after_redis_restarts_on_its_data_dir(
 
 
 def serve_redis(served: Served) -> tuple[int, str]:
-    """The pid of serve's redis-server and its command line as `ps` shows it ("redis-server 127.0.0.1:PORT")."""
+    """The pid of serve's redis-server and its command line as `ps` shows it: "redis-server 127.0.0.1:PORT"
+    once Redis has set its title, the argv serve started it with ("... --port PORT ...") until then."""
     (found,) = [(pid, cmd) for pid, cmd in descendants(served.process.pid).items() if "redis-server" in cmd]
     return found
 
 
 def port_of(redis_title: str) -> int:
-    return int(redis_title.split()[1].rsplit(":", 1)[1])
+    words = redis_title.split()
+    if "--port" in words:  # a Redis just started has not rewritten its title yet
+        return int(words[words.index("--port") + 1])
+    return int(words[1].rsplit(":", 1)[1])
 
 
 def persistence(port: int, redis_dir: Path) -> dict[str, str]:
