@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -115,3 +117,33 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class BackgroundSampler:
+    """Calls `sample()` every `interval` seconds on a daemon thread while its `with` block runs, then
+    `close()`; subclasses keep what they sample."""
+
+    interval = 0.2
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.close()
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the samples used (nothing, unless a subclass holds a connection)."""
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +24,16 @@ import redis
 from common.queue import keys
 from openjev.embedded_redis import RedisServer, free_port
 from tests.conftest import model_cache_dir, stack_env
-from tests.processes import Proc, alive, openjev, spawn, start_scripted_engine, start_worker, wait_http
+from tests.processes import (
+    BackgroundSampler,
+    Proc,
+    alive,
+    openjev,
+    spawn,
+    start_scripted_engine,
+    start_worker,
+    wait_http,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -75,32 +83,24 @@ def delta(after: dict[str, Any], before: dict[str, Any], counter: str) -> int:
     return after[counter] - before[counter]
 
 
-class DepthWatch:
+class DepthWatch(BackgroundSampler):
     """Samples the engine's live prompt count while a test runs. One job with one question never
     has two prompts live, so a maximum above 1 means two workers ran the job at the same time."""
 
+    interval = 0.05
+
     def __init__(self, engine_url: str) -> None:
+        super().__init__()
         self.engine_url = engine_url
         self.max_depth = 0
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> DepthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.max_depth = max(self.max_depth, engine_stats(self.engine_url)["queue_depth"])
-                self.samples += 1
-            except httpx.HTTPError:
-                pass
+    def sample(self) -> None:
+        try:
+            self.max_depth = max(self.max_depth, engine_stats(self.engine_url)["queue_depth"])
+            self.samples += 1
+        except httpx.HTTPError:
+            pass
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ import redis
 from common.contract import EXAMPLE_REQUEST
 from common.queue import keys
 from tests.conftest import FIGURES, Stack
+from tests.processes import BackgroundSampler
 from tests.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -135,31 +135,23 @@ def test_a_cancelled_job_is_aborted_inside_sglang(sglang: SglangServe) -> None:
         time.sleep(0.5)
 
 
-class LivenessWatch:
+class LivenessWatch(BackgroundSampler):
     """Samples the worker's heartbeat age and reported engine health in Redis while a run goes on."""
 
     def __init__(self, redis_url: str) -> None:
+        super().__init__()
         self.client = redis.Redis.from_url(redis_url)
         self.ages: list[float] = []
         self.engine_ok: list[bool] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> LivenessWatch:
-        self._thread.start()
-        return self
+    def sample(self) -> None:
+        score = self.client.zscore(keys.WORKERS, WORKER_ID)
+        raw = self.client.get(keys.worker_key(WORKER_ID))
+        self.ages.append(time.time() - score if score is not None else math.inf)
+        self.engine_ok.append(bool(raw) and orjson.loads(raw)["engine_ok"])
 
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+    def close(self) -> None:
         self.client.close()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.2):
-            score = self.client.zscore(keys.WORKERS, WORKER_ID)
-            raw = self.client.get(keys.worker_key(WORKER_ID))
-            self.ages.append(time.time() - score if score is not None else math.inf)
-            self.engine_ok.append(bool(raw) and orjson.loads(raw)["engine_ok"])
 
 
 def test_16_concurrent_requests_all_succeed_while_the_worker_stays_live(sglang: SglangServe) -> None:
