@@ -26,6 +26,7 @@ class RunningJobs:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task[object]] = {}
         self._fenced: set[str] = set()
+        self._aborted: set[str] = set()
 
     @contextlib.contextmanager
     def running(self, arq_job_id: str) -> Iterator[None]:
@@ -42,6 +43,23 @@ class RunningJobs:
         """True (once) when `arq_job_id` was stopped because it was taken from this worker."""
         if arq_job_id in self._fenced:
             self._fenced.discard(arq_job_id)
+            return True
+        return False
+
+    def abort(self, arq_job_id: str) -> bool:
+        """Cancel `arq_job_id` if it is running here (its job was cancelled: its ending is already
+        stored); True if it was."""
+        task = self._tasks.get(arq_job_id)
+        if task is None or task.done():
+            return False
+        self._aborted.add(arq_job_id)
+        task.cancel()
+        return True
+
+    def was_aborted(self, arq_job_id: str) -> bool:
+        """True (once) when `arq_job_id` was stopped by `abort`."""
+        if arq_job_id in self._aborted:
+            self._aborted.discard(arq_job_id)
             return True
         return False
 

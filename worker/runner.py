@@ -1,5 +1,6 @@
 """The arq worker beside one engine: arq's own `Worker`, configured through its settings and hooks,
-pulls only this worker's queue and runs `evaluate` for each placement. Around it: the heartbeat
+pulls only this worker's queue and runs `evaluate` for each placement, woken at once by new and
+cancelled placements (worker/wakeups.py) and polling as a fallback. Around it: the heartbeat
 (membership and the engine's state), the lease and its fencing (worker/fencing.py), and moving
 vanished workers' jobs. Every Redis write goes through common/queue."""
 
@@ -36,6 +37,7 @@ from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
 from worker.fencing import RunningJobs, hold_lease
 from worker.sglang_launcher import needs_warm_label_logprobs
+from worker.wakeups import WakeUps
 
 log = logging.getLogger("openjev.worker")
 
@@ -67,8 +69,11 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
             job = EvaluationJob.model_validate(payload)
             outcome = await _outcome(ctx, job, started, picked_at)
     except asyncio.CancelledError:
+        if running.was_aborted(arq_job_id):
+            log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
+            return  # its ending is already stored; arq finishes the placement
         if not running.was_fenced(arq_job_id):
-            raise  # an abort (its ending is already stored) or a shutdown (the job stays queued to resume)
+            raise  # arq's abort (its ending is already stored) or a shutdown (the job stays queued to resume)
         log.warning("job %s: moved off this worker while it was cut off; stopped here", keys.job_of(arq_job_id))
         return
     except ValidationError as exc:
@@ -164,6 +169,9 @@ async def _startup(ctx: dict[str, Any]) -> None:
     health: EngineHealth = ctx["health"]
     await health.probe()  # never announce an engine nobody has checked
     info.engine_ok = health.routable
+    if settings.worker_wakeups:
+        ctx["wakeups"] = wakeups = WakeUps(redis, info.queue, ctx["worker"], ctx["running"])
+        await wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
     await heartbeat(redis, info)
     ctx["health_watch"] = asyncio.create_task(health.watch())
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
@@ -176,6 +184,8 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
         task = ctx.get(name)
         if task:
             task.cancel()
+    if "wakeups" in ctx:
+        await ctx["wakeups"].close()
     with contextlib.suppress(RedisError, OSError):
         # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq keeps queued)
         # stay ours until the lease lapses: a restart with this id resumes them, otherwise a live
@@ -261,7 +271,14 @@ def build_worker(settings: Settings) -> Worker:
         ctx=ctx,
     )
     ctx["worker"] = worker
+    worker.on_stop = lambda _signal: _stop_wakeups(ctx)
     return worker
+
+
+def _stop_wakeups(ctx: dict[str, Any]) -> None:
+    """The worker is stopping: no wake-up may start a job that arq's shutdown would then wait for."""
+    if "wakeups" in ctx:
+        ctx["wakeups"].stop()
 
 
 def _redis_settings(url: str) -> RedisSettings:

@@ -19,7 +19,6 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from common.queue import keys
-from common.queue.records import JobStore
 from worker.fencing import RunningJobs
 
 log = logging.getLogger("openjev.worker")
@@ -31,21 +30,18 @@ MAX_RESUBSCRIBE_DELAY = 30.0  # (arq's poll covers the gap)
 class WakeUps:
     """Listens on one queue's wake channel for as long as the worker runs."""
 
-    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, store: JobStore) -> None:
+    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs) -> None:
         self.redis = redis
         self.channel = keys.wake_channel(queue)
         self.worker = worker
         self.running = running
-        self.store = store
-        self.started = 0  # placements handed to arq on a wake-up (arq skips any already claimed)
-        self.stopped = 0  # running placements stopped on a wake-up
         self._due: asyncio.Queue[bytes] = asyncio.Queue()
         self._pubsub: PubSub | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Subscribe before returning (so nothing queued after the worker's first heartbeat is
-        missed), then listen and start jobs in the background."""
+        """Send SUBSCRIBE before returning (so before the worker's first heartbeat makes it routable),
+        then listen and start jobs in the background."""
         try:
             self._pubsub = await self._subscribe()
         except (RedisError, OSError) as exc:  # the listener keeps trying; arq's poll runs jobs meanwhile
@@ -94,10 +90,8 @@ class WakeUps:
         verb, _, arq_job_id = data.partition(b" ")
         if verb == b"job":
             self._due.put_nowait(arq_job_id)
-        elif verb == b"abort" and self.running.abort(arq_job_id.decode()):
-            self.stopped += 1
-            # Its cancellation is done: arq's poll need not find the mark again.
-            await self.store.forget_abort(arq_job_id.decode())
+        elif verb == b"abort":
+            self.running.abort(arq_job_id.decode())  # arq drops the abort mark as it finishes the placement
 
     async def _start_due(self) -> None:
         """One placement at a time: `start_jobs` waits for a free job slot, and the listener must
@@ -107,7 +101,6 @@ class WakeUps:
             if not self.worker.allow_pick_jobs:
                 continue
             try:
-                await self.worker.start_jobs([arq_job_id])
-                self.started += 1
+                await self.worker.start_jobs([arq_job_id])  # a no-op for one arq's poll already claimed
             except (RedisError, OSError) as exc:
                 log.warning("wake-up start of %s failed (%r); arq's poll will start it", arq_job_id, exc)

@@ -4,8 +4,10 @@ this package, and nothing else writes Redis. A job's life, step by step:
 1. placement.py  The API places a job in one script: idempotency claim, routing over fresh
                  heartbeats, admission by deadline, the job record, arq's job and its queue entry.
                  The arq job id is the job's placement ("<job id>.<n>", n = 1 at first).
-2. arq           The worker (stock `arq.Worker`, worker/runner.py) polls its own queue and runs the
-                 placement; arq's abort set carries cancellations to it.
+2. arq           The worker (stock `arq.Worker`, worker/runner.py) runs the placement: the scripts that
+                 queue, move and cancel placements publish "job <id>" / "abort <id>" on the queue's
+                 wake channel, which the worker acts on at once (worker/wakeups.py); arq's poll of
+                 its queue and of its abort set is the fallback for a missed message.
 3. records.py    The worker's `start` marks the record running only if the record still names its
                  placement; `store` keeps the outcome only from that placement, once, and publishes
                  "<job id> <status>"; the API's `cancel` ends a job (with a bounded abort mark) and

@@ -24,6 +24,15 @@ def queue_name(worker_id: str) -> str:
     return f"{PREFIX}queue:{worker_id}"
 
 
+WAKE_SUFFIX = ":wake"  # queue name + this: the queue's wake-up channel (see `wake_channel`)
+
+
+def wake_channel(queue: str) -> str:
+    """Pub/sub: "job <arq job id>" when a placement is queued on `queue`, "abort <arq job id>" when
+    one is cancelled. Its worker acts on them at once; arq's poll is the fallback for any it misses."""
+    return queue + WAKE_SUFFIX
+
+
 def worker_key(worker_id: str) -> str:
     """JSON description of a live worker (queue, capacity, model); expires without heartbeats."""
     return f"{PREFIX}worker:{worker_id}"

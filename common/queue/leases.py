@@ -51,8 +51,9 @@ local new = ARGV[5] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
 redis.call('SET', ARGV[2] .. new, payload, 'PX', ttl)
 redis.call('ZADD', KEYS[4], score, new)
 redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
+redis.call('PUBLISH', KEYS[4] .. 'WAKE_SUFFIX', 'job ' .. new)
 return 1
-"""
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
 
 # KEYS[1] queue; ARGV[1] in-progress key prefix. After taking the lease: the predecessor's claims on
 # the queue's jobs are cleared, so arq runs them again now rather than when the claims expire.

@@ -1,7 +1,8 @@
 """Submission in one step, inside Redis: one script claims the client's idempotency key (if any),
 reads the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its
 small routing hash; queue lengths), picks the worker, checks that it can finish the job before its
-deadline, and writes the job record, arq's job and the queue entry. One round trip per submit; no
+deadline, and writes the job record, arq's job and the queue entry, and wakes the worker (its
+queue's wake channel). One round trip per submit; no
 two API replicas can route on the same stale queue lengths, and a key is never held by a job that
 was not placed. Times are Redis's (TIME): the record's deadline is the one every worker obeys.
 
@@ -99,9 +100,10 @@ redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placeme
 redis.call('EXPIRE', ARGV[9], ttl)
 redis.call('SET', ARGV[11] .. arq_id, ARGV[12], 'EX', ttl)
 redis.call('ZADD', target.queue, math.floor(now * 1000) - tonumber(ARGV[15]), arq_id)
+redis.call('PUBLISH', target.queue .. 'WAKE_SUFFIX', 'job ' .. arq_id)
 if ARGV[13] ~= '' then redis.call('SET', ARGV[13], ARGV[8] .. ':' .. ARGV[14], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline)}
-"""
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,11 @@ return 1
 # KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
 # mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
 # seconds past, unless grace is -1): an async job keeps the outcome for its reader, a sync job's record
-# goes (its caller is the one ending it). Its placement gets an abort mark for arq, and marks older
-# than any job can live are trimmed: the set holds only marks that can still matter.
+# goes (its caller is the one ending it). Its placement gets an abort mark for arq and its worker a
+# wake-up saying so; marks older than any job can live are trimmed: the set holds only marks that can
+# still matter.
 _CANCEL = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
@@ -71,8 +72,9 @@ redis.call('PUBLISH', KEYS[3], ARGV[1] .. ' ' .. ARGV[2])
 local now_ms = math.floor(now * 1000)
 redis.call('ZADD', KEYS[2], now_ms, f[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - tonumber(ARGV[5]))
+if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
 return 1
-"""
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
 
 # KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
 _COLLECT = """
