@@ -3,10 +3,11 @@ process, straight to the engine) and through the queue (Redis + arq + a real wor
 completion pushed back), against the same engine, in the same run, interleaved.
 
     uv run --extra cpu --extra dev python -m bench.queue_latency [--engine scripted|cpu] [--requests 200]
-        [--poll-delay 0.005]
+        [--poll-delay 0.5] [--no-wakeups]
 
-Prints p50/p99 per path and the difference at concurrency 1 and 16, then what the worker's poll
-(arq's poll_delay) costs while idle: CPU of the worker process and of Redis over 10 s with no job.
+Prints p50/p99 per path and the difference at concurrency 1 and 16, then what the worker costs while
+idle (arq's poll every poll_delay, heartbeats, health probes): CPU of the worker process and of Redis
+over 10 s with no job. `--no-wakeups` leaves the worker to arq's poll alone (OPENJEV_WORKER_WAKEUPS=false).
 Figures: bench/RESULTS.md.
 """
 
@@ -128,8 +129,8 @@ def idle_cost(worker_pid: int, redis_pid: int, seconds: float = 10.0) -> str:
     before = cpu_seconds(worker_pid), cpu_seconds(redis_pid)
     time.sleep(seconds)
     worker, redis = (cpu_seconds(p) - b for p, b in zip((worker_pid, redis_pid), before, strict=True))
-    return (f"idle for {seconds:g} s: worker {100 * worker / seconds:.1f} % of a core, "
-            f"Redis {100 * redis / seconds:.1f} % of a core")
+    return (f"idle for {seconds:g} s: worker {1000 * worker / seconds:.1f} CPU-ms per second, "
+            f"Redis {1000 * redis / seconds:.1f} CPU-ms per second")
 
 
 def main() -> int:
@@ -138,6 +139,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="per path and concurrency")
     parser.add_argument("--poll-delay", type=float, default=Settings().worker_poll_delay,
                         help="the worker's OPENJEV_WORKER_POLL_DELAY (arq's poll_delay), seconds")
+    parser.add_argument("--wakeups", action=argparse.BooleanOptionalAction, default=True,
+                        help="the worker's OPENJEV_WORKER_WAKEUPS (default on)")
     args = parser.parse_args()
 
     from worker.cpu_engine.model import ensure_converted
@@ -151,7 +154,8 @@ def main() -> int:
         engine = start_cpu_engine(log_dir, model_cache_dir())
     settings = Settings(redis_url=redis_url, tokenizer=str(model_dir))
     worker = start_worker(log_dir, {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir),
-                                    "OPENJEV_WORKER_POLL_DELAY": str(args.poll_delay)}, engine.url or "", "bench-0")
+                                    "OPENJEV_WORKER_POLL_DELAY": str(args.poll_delay),
+                                    "OPENJEV_WORKER_WAKEUPS": str(args.wakeups).lower()}, engine.url or "", "bench-0")
     try:
         preparer = JobPreparer(settings, PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir))))
         lines = asyncio.run(bench(engine.url or "", redis_url, settings, preparer, args.requests))
@@ -161,7 +165,7 @@ def main() -> int:
         engine.stop()
         redis_process.terminate()
     print(f"engine: {args.engine}; {args.requests} requests per path and concurrency; example request (3 questions);"
-          f" worker poll delay {args.poll_delay:g} s")
+          f" worker poll delay {args.poll_delay:g} s, wake-ups {'on' if args.wakeups else 'off'}")
     print("\n".join(lines))
     return 0
 
