@@ -23,6 +23,7 @@ from common.queue import keys
 from common.queue.membership import WorkerInfo, fleet
 from common.queue.placement import Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
+from common.queue.subscriptions import Subscription
 from common.settings import RoutingPolicy
 
 log = logging.getLogger("openjev.api")
@@ -36,16 +37,15 @@ class CompletionWaiter:
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
         self._waiting: dict[str, set[asyncio.Future[None]]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._subscription = Subscription(redis, keys.DONE_CHANNEL, self._announce,
+                                          fallback="waiters recheck their records meanwhile", log=log,
+                                          retry_delay=0.5, max_retry_delay=RECHECK_INTERVAL)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen())
+        await self._subscription.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._subscription.close()
 
     def expect(self, job_id: str) -> asyncio.Future[None]:
         """A future resolved when `job_id`'s end is announced; call `forget` when done."""
@@ -59,19 +59,6 @@ class CompletionWaiter:
             futures.discard(future)
             if not futures:
                 del self._waiting[job_id]
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(keys.DONE_CHANNEL)
-                    async for message in pubsub.listen():
-                        self._announce(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis went away: resubscribe; waiters recheck records meanwhile
-                log.warning("completion subscription lost (%r); resubscribing", exc)
-                await asyncio.sleep(0.5)
 
     def _announce(self, notice: bytes) -> None:
         job_id, _, _status = notice.partition(b" ")

@@ -255,7 +255,7 @@ def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], fo
             lines.append(f"| {scenario.name} | {stack.name} | {m.cpu_ms['api']:.2f} | {m.cpu_ms['worker']:.2f} | "
                          f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} |")
     lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
-    for stack in stacks:
+    for stack in stacks if found else []:
         per_question = slope([(s.questions, medians[(s.name, stack.name)].total) for s in found
                               if s.name.endswith("questions, c=16")])
         per_1k = slope([(s.state_tokens / 1000, medians[(s.name, stack.name)].total) for s in found
@@ -278,6 +278,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per scenario and stack")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
+    parser.add_argument("--idle-only", action="store_true", help="only the stacks at rest (no requests)")
     parser.add_argument("--unbatched", action="store_true",
                         help="also run this checkout with OPENJEV_BRANCH_BATCH_SIZE=1 (one call per branch)")
     args = parser.parse_args()
@@ -286,7 +287,7 @@ def main() -> int:
 
     model_dir = ensure_converted(model_cache_dir())
     log_dir = Path(tempfile.mkdtemp(prefix="openjev-cpu-cost-"))
-    found = scenarios(model_dir, args.quick)
+    found = [] if args.idle_only else scenarios(model_dir, args.quick)
     with ExitStack() as resources:
         base_root = resources.enter_context(baseline_checkout(args.baseline))
         wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"))]

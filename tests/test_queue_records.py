@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from common.jobs import JobOutcome, JobStatus
 from common.queue import keys
-from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, reap_vanished_workers
+from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import Dispatcher
 from common.queue.records import SYNC_KEEP, JobStore
@@ -140,3 +140,26 @@ async def test_a_renewal_never_recreates_a_lapsed_lease(redis: Redis) -> None:
     await redis.set(keys.lease_key("w9"), "someone-else")
     with pytest.raises(LeaseTaken):
         await lease.renew()
+
+
+async def test_a_beat_heartbeats_renews_and_names_the_silent_members_and_never_recreates_a_lease(
+        redis: Redis) -> None:
+    info = await join(redis, "w7")
+    lease = Lease(redis, "w7")
+    await lease.acquire()
+    await redis.pexpire(keys.lease_key("w7"), 500)
+    await redis.zadd(keys.WORKERS, {"w7": 0.0, "gone": time.time() - LIVENESS_WINDOW - 1})
+    info.running = 3
+    assert await beat(redis, info, lease) == ["gone"]
+    assert await redis.pttl(keys.lease_key("w7")) > 500  # renewed to the full TTL
+    assert (await redis.zscore(keys.WORKERS, "w7") or 0) > time.time() - 1  # its heartbeat, by Redis's clock
+    assert await redis.hget(keys.route_info_key("w7"), "running") == b"3"
+    await redis.delete(keys.lease_key("w7"))
+    await redis.zadd(keys.WORKERS, {"w7": 0.0})
+    with pytest.raises(LeaseLapsed):
+        await beat(redis, info, lease)
+    assert not await redis.exists(keys.lease_key("w7"))
+    assert (await redis.zscore(keys.WORKERS, "w7") or 0) > time.time() - 1  # the heartbeat went out all the same
+    await redis.set(keys.lease_key("w7"), "someone-else")
+    with pytest.raises(LeaseTaken):
+        await beat(redis, info, lease)

@@ -1,5 +1,5 @@
-"""What keeps a worker honest about which jobs are still its own: it renews its lease on its own
-schedule, and when the lease lapsed (the process was paused or cut off from Redis for longer than
+"""What keeps a worker honest about which jobs are still its own: it renews its lease with every
+heartbeat (worker/runner.py), and when the lease lapsed (the process was paused or cut off from Redis for longer than
 the liveness window), other workers may have moved its jobs. It then takes a new lease, so nothing
 more can move, and stops every job whose placement is no longer its own, which aborts that job's
 engine calls; its outcome would be refused anyway (common/queue/records.py)."""
@@ -10,14 +10,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from enum import StrEnum
 
-from redis.exceptions import RedisError
-
-from common.queue.leases import Lease, LeaseLapsed
-from common.queue.membership import HEARTBEAT_INTERVAL
+from common.queue.leases import Lease
 from common.queue.records import JobStore
 
 log = logging.getLogger("openjev.worker")
+
+
+class StopReason(StrEnum):
+    """Why this worker stopped one of its running placements itself."""
+
+    cancelled = "cancelled"  # its job was cancelled (a wake-up): its ending is already stored
+    moved = "moved"  # it was moved to another worker while this one was cut off (fencing)
 
 
 class RunningJobs:
@@ -25,8 +30,7 @@ class RunningJobs:
 
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task[object]] = {}
-        self._fenced: set[str] = set()
-        self._aborted: set[str] = set()
+        self._stopped: dict[str, StopReason] = {}
 
     @contextlib.contextmanager
     def running(self, arq_job_id: str) -> Iterator[None]:
@@ -39,56 +43,33 @@ class RunningJobs:
         finally:
             self._tasks.pop(arq_job_id, None)
 
-    def was_fenced(self, arq_job_id: str) -> bool:
-        """True (once) when `arq_job_id` was stopped because it was taken from this worker."""
-        if arq_job_id in self._fenced:
-            self._fenced.discard(arq_job_id)
-            return True
-        return False
-
-    def abort(self, arq_job_id: str) -> bool:
-        """Cancel `arq_job_id` if it is running here (its job was cancelled: its ending is already
-        stored); True if it was."""
+    def stop(self, arq_job_id: str, reason: StopReason) -> None:
+        """Cancel `arq_job_id`'s task, if it is running here, recording why."""
         task = self._tasks.get(arq_job_id)
-        if task is None or task.done():
-            return False
-        self._aborted.add(arq_job_id)
-        task.cancel()
-        return True
+        if task is not None and not task.done():
+            self._stopped[arq_job_id] = reason
+            task.cancel()
 
-    def was_aborted(self, arq_job_id: str) -> bool:
-        """True (once) when `arq_job_id` was stopped by `abort`."""
-        if arq_job_id in self._aborted:
-            self._aborted.discard(arq_job_id)
-            return True
-        return False
+    def stopped_because(self, arq_job_id: str) -> StopReason | None:
+        """Why (once) `arq_job_id` was stopped by `stop`; None when it was not (arq's own abort, a shutdown)."""
+        return self._stopped.pop(arq_job_id, None)
 
     async def fence(self, store: JobStore) -> list[str]:
-        """Cancel every running placement that is no longer its job's placement; returns them."""
+        """Stop every running placement that is no longer its job's placement; returns them."""
         ids = list(self._tasks)
         if not ids:
             return []
         taken = [i for i, ours in zip(ids, await store.placements(ids), strict=True) if not ours]
         for arq_job_id in taken:
-            task = self._tasks.get(arq_job_id)
-            if task is not None:
-                self._fenced.add(arq_job_id)
-                task.cancel()
+            self.stop(arq_job_id, StopReason.moved)
         return taken
 
 
-async def hold_lease(lease: Lease, running: RunningJobs, store: JobStore) -> None:
-    """Renew the lease every heartbeat interval, never behind a slow engine check. A lapsed lease is
-    taken anew before the running jobs are checked; raises LeaseTaken when another process holds it."""
-    while True:
-        await asyncio.sleep(HEARTBEAT_INTERVAL)
-        try:
-            await lease.renew()
-        except LeaseLapsed:
-            await lease.acquire(patience=0)
-            taken = await running.fence(store)
-            log.warning("lease %s had lapsed; taken again; %d job(s) moved meanwhile stopped here",
-                        lease.key, len(taken), extra={"event": "lease_lapsed", "stopped": taken})
-        except (RedisError, OSError) as exc:  # a Redis blip must not end the loop; a long one lapses the lease
-            log.warning("lease renewal failed: %r", exc)
-
+async def take_back(lease: Lease, running: RunningJobs, store: JobStore) -> list[str]:
+    """The lease had lapsed: take it anew before anything else, so nothing more can move (LeaseTaken
+    when another process holds it now), then stop every running job moved meanwhile; returns them."""
+    await lease.acquire(patience=0)
+    taken = await running.fence(store)
+    log.warning("lease %s had lapsed; taken again; %d job(s) moved meanwhile stopped here",
+                lease.key, len(taken), extra={"event": "lease_lapsed", "stopped": taken})
+    return taken

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.queue import keys
-from common.queue.leases import Lease, LeaseTaken, reap_vanished_workers, resume_own_jobs
+from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
 from common.queue.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
 from common.queue.records import JobStore, Started
 from common.settings import Settings
@@ -35,7 +35,7 @@ from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
 from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
-from worker.fencing import RunningJobs, hold_lease
+from worker.fencing import RunningJobs, StopReason, take_back
 from worker.sglang_launcher import needs_warm_label_logprobs
 from worker.wakeups import WakeUps
 
@@ -43,7 +43,6 @@ log = logging.getLogger("openjev.worker")
 
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
-REAP_EVERY = 2  # heartbeats between looks for vanished workers' jobs
 MAX_ATTEMPTS = 3  # a job interrupted this many times (its worker died under it) is not run again
 REDIS_RETRIES = 3600  # ~an hour of 1 s backoffs: a worker waits out a Redis restart rather than exiting
 STORE_GRACE = 30.0  # seconds past a job's deadline its outcome store keeps retrying through Redis errors
@@ -69,13 +68,14 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
             job = EvaluationJob.model_validate(payload)
             outcome = await _outcome(ctx, job, started, picked_at)
     except asyncio.CancelledError:
-        if running.was_aborted(arq_job_id):
-            log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
-            return  # its ending is already stored; arq finishes the placement
-        if not running.was_fenced(arq_job_id):
+        reason = running.stopped_because(arq_job_id)
+        if reason is None:
             raise  # arq's abort (its ending is already stored) or a shutdown (the job stays queued to resume)
-        log.warning("job %s: moved off this worker while it was cut off; stopped here", keys.job_of(arq_job_id))
-        return
+        if reason is StopReason.moved:
+            log.warning("job %s: moved off this worker while it was cut off; stopped here", keys.job_of(arq_job_id))
+        else:
+            log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
+        return  # either way its ending is not ours to store; arq finishes the placement
     except ValidationError as exc:
         log.error("job %s: unreadable (%s)", arq_job_id, exc)
         outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", ctx)
@@ -162,7 +162,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     settings: Settings = ctx["settings"]
     info: WorkerInfo = ctx["info"]
     redis: Redis = ctx["redis"]
-    ctx["store"] = store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
+    ctx["store"] = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
@@ -175,12 +175,11 @@ async def _startup(ctx: dict[str, Any]) -> None:
     await heartbeat(redis, info)
     ctx["health_watch"] = asyncio.create_task(health.watch())
     ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
-    ctx["lease_keeper"] = asyncio.create_task(_hold_lease(ctx, lease, store))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    for name in ("heartbeat", "lease_keeper", "health_watch"):
+    for name in ("heartbeat", "reaping", "health_watch"):
         task = ctx.get(name)
         if task:
             task.cancel()
@@ -198,37 +197,49 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     await ctx["health"].close()
 
 
-async def _hold_lease(ctx: dict[str, Any], lease: Lease, store: JobStore) -> None:
-    try:
-        await hold_lease(lease, ctx["running"], store)
-    except LeaseTaken as exc:
-        log.error("%s; worker %s stops", exc, ctx["info"].id)
-        ctx["exit_code"] = EXIT_LEASE_LOST
-        ctx["worker"].handle_sig(15)
-
-
 async def _keep_alive(ctx: dict[str, Any]) -> None:
-    """Heartbeat every interval with the engine's last known health (probed on its own schedule,
-    so a slow probe never delays a heartbeat); move vanished workers' jobs; stop the worker when
-    the engine is down."""
+    """Every heartbeat interval, one beat (common/queue/leases.py `beat`: one round trip): the
+    heartbeat with the engine's last known health (probed on its own schedule, so a slow probe never
+    delays a beat), the lease's renewal, and a look for vanished workers, whose jobs are moved in the
+    background. Stops the worker when its engine is down or another process holds its lease."""
     health: EngineHealth = ctx["health"]
     info: WorkerInfo = ctx["info"]
-    beats = 0
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
-        beats += 1
         try:
-            await heartbeat(ctx["redis"], info)
-            if info.engine_ok and beats % REAP_EVERY == 0:
-                await reap_vanished_workers(ctx["redis"])
-        except (RedisError, OSError) as exc:  # Redis blips must not kill the heartbeat loop
+            await _beat(ctx)
+        except LeaseTaken as exc:
+            log.error("%s; worker %s stops", exc, info.id)
+            ctx["exit_code"] = EXIT_LEASE_LOST
+            ctx["worker"].handle_sig(15)
+            return
+        except (RedisError, OSError) as exc:  # a Redis blip must not end the loop; a long one lapses the lease
             log.warning("heartbeat failed: %r", exc)
         if health.down.is_set():
             log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
             ctx["exit_code"] = EXIT_ENGINE_DOWN
             ctx["worker"].handle_sig(15)
             return
+
+
+async def _beat(ctx: dict[str, Any]) -> None:
+    info: WorkerInfo = ctx["info"]
+    try:
+        silent = await beat(ctx["redis"], info, ctx["lease"])
+    except LeaseLapsed:
+        await take_back(ctx["lease"], ctx["running"], ctx["store"])  # raises LeaseTaken if it is not ours now
+        return
+    reaping: asyncio.Task[None] | None = ctx.get("reaping")
+    if silent and info.engine_ok and (reaping is None or reaping.done()):
+        ctx["reaping"] = asyncio.create_task(_reap(ctx["redis"]))  # a long move must not delay the next beat
+
+
+async def _reap(redis: Redis) -> None:
+    try:
+        await reap_vanished_workers(redis)
+    except (RedisError, OSError) as exc:  # the next beat sees the silent members again
+        log.warning("moving vanished workers' jobs failed: %r", exc)
 
 
 def build_worker(settings: Settings) -> Worker:

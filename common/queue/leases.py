@@ -15,7 +15,15 @@ import time
 from redis.asyncio import Redis
 
 from common.queue import keys
-from common.queue.membership import LIVENESS_WINDOW, forget_member, live_workers, silent_members
+from common.queue.membership import (
+    LIVENESS_WINDOW,
+    SILENT_MEMBERS_COMMAND,
+    WorkerInfo,
+    forget_member,
+    heartbeat_command,
+    live_workers,
+    silent_members,
+)
 from common.routing import rank_workers
 
 log = logging.getLogger("openjev.queue")
@@ -94,7 +102,14 @@ class Lease:
 
     async def renew(self) -> None:
         """Extend the lease; LeaseLapsed if it expired meanwhile, LeaseTaken if another token holds it."""
-        held = await self._renew(keys=[self.key], args=[self.token, LEASE_TTL_MS])
+        self.check(await self._renew(keys=[self.key], args=[self.token, LEASE_TTL_MS]))
+
+    def renew_command(self) -> tuple[str | int, ...]:
+        """The renewal as EVAL's arguments, for a pipeline; its answer goes to `check`."""
+        return (_RENEW, 1, self.key, self.token, LEASE_TTL_MS)
+
+    def check(self, held: int) -> None:
+        """Raise what a renewal's answer means: LeaseLapsed (0), LeaseTaken (-1); 1 is extended."""
         if held == 0:
             raise LeaseLapsed(f"{self.key} lapsed")
         if held == -1:
@@ -103,6 +118,19 @@ class Lease:
     async def release(self) -> None:
         if (await self.redis.get(self.key) or b"").decode() == self.token:
             await self.redis.delete(self.key)
+
+
+async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
+    """What keeps a worker live, in one round trip each heartbeat interval: its heartbeat, its lease's
+    renewal and a look for silent members (whose jobs may need moving). Returns the silent members'
+    ids; raises as `Lease.renew` does, once the heartbeat has gone out."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.eval(*heartbeat_command(info))
+        pipe.eval(*lease.renew_command())
+        pipe.eval(*SILENT_MEMBERS_COMMAND)
+        _, held, silent = await pipe.execute()
+    lease.check(held)
+    return [w.decode() for w in silent]
 
 
 async def resume_own_jobs(redis: Redis, queue: str) -> int:

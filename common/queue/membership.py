@@ -133,12 +133,17 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (t[1] + t[2] / 1e6 - 
 
 async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
     """Announce `info` as live now (by Redis's clock)."""
+    await redis.eval(*heartbeat_command(info))
+
+
+def heartbeat_command(info: WorkerInfo) -> tuple[str | int | float, ...]:
+    """The heartbeat as EVAL's arguments, for a pipeline (common/queue/leases.py `beat`)."""
     info.heartbeat_at = time.time()
     routing = {"queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
                "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)}
-    await redis.eval(_HEARTBEAT, 3, keys.worker_key(info.id), keys.route_info_key(info.id), keys.WORKERS,
-                     info.model_dump_json(), int(LIVENESS_WINDOW * 2), info.id,
-                     *[item for pair in routing.items() for item in pair])
+    return (_HEARTBEAT, 3, keys.worker_key(info.id), keys.route_info_key(info.id), keys.WORKERS,
+            info.model_dump_json(), int(LIVENESS_WINDOW * 2), info.id,
+            *[item for pair in routing.items() for item in pair])
 
 
 async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> None:
@@ -176,4 +181,7 @@ async def live_workers(redis: Redis) -> list[WorkerInfo]:
 
 async def silent_members(redis: Redis) -> list[str]:
     """Ids still in the set whose heartbeat is older than the liveness window (by Redis's clock)."""
-    return [w.decode() for w in await redis.eval(_SILENT, 1, keys.WORKERS, LIVENESS_WINDOW)]
+    return [w.decode() for w in await redis.eval(*SILENT_MEMBERS_COMMAND)]
+
+
+SILENT_MEMBERS_COMMAND = (_SILENT, 1, keys.WORKERS, LIVENESS_WINDOW)  # EVAL's arguments, for a pipeline
