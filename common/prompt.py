@@ -100,11 +100,13 @@ class PromptCompiler:
         self, tokenizer: PreTrainedTokenizerBase, alphabet: LabelAlphabet, prefix_cache_size: int = 1024,
         style: PromptStyle = PromptStyle.inline,
     ) -> None:
-        """`prefix_cache_size` prefixes keep their ids, so a repeated state is tokenized once; `alphabet` must be
+        """`prefix_cache_size` prefixes keep their ids, so a repeated state is tokenized once, and as many
+        question suffixes theirs (clients ask the same questions of many states); `alphabet` must be
         verified in `style`'s answer context."""
         self._tokenizer = tokenizer
         self._alphabet = alphabet
-        self._prefixes = _PrefixCache(prefix_cache_size)
+        self._prefixes = _TokenizedTexts(prefix_cache_size)
+        self._suffixes = _TokenizedTexts(prefix_cache_size)
         self._marker = _ANSWER_FORMS[style][0]
 
     @classmethod
@@ -159,7 +161,7 @@ class PromptCompiler:
         return CompiledBranch(
             question_id=question_id,
             kind=question.type,
-            suffix_ids=self._encode(suffix_text),
+            suffix_ids=self._suffixes.ids(suffix_text, self._encode),
             label_ids=[label.token_id for label in labels],
             option_names=[name for name, _ in options],
             option_order=order,
@@ -333,8 +335,8 @@ def _json_text(value: JSON) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-class _PrefixCache:
-    """An LRU of prefix ids keyed by a hash of the prefix text; safe to share between threads."""
+class _TokenizedTexts:
+    """An LRU of token ids keyed by a hash of the text; safe to share between threads."""
 
     def __init__(self, size: int) -> None:
         self._size = size

@@ -385,6 +385,17 @@ def test_a_repeated_state_is_tokenized_once(qwen: PromptCompiler) -> None:
     assert prefixes_encoded(counting) == 2
 
 
+def test_a_question_asked_of_another_state_is_not_tokenized_again(qwen: PromptCompiler) -> None:
+    counting = CountingTokenizer(qwen36_tokenizer())
+    compiler = PromptCompiler(counting, qwen.alphabet)  # type: ignore[arg-type]
+    first = compiler.compile(request("one state", {"a": REFUND, "b": TEAM}))
+    encoded = len(counting.encoded)
+    second = compiler.compile(request("another state", {"x": TEAM, "y": REFUND}))
+    assert len(counting.encoded) == encoded + 1  # the new prefix only
+    assert [b.suffix_ids for b in second.branches] == [b.suffix_ids for b in reversed(first.branches)]
+    assert second.branches[0].suffix_ids == qwen.compile(request("s", {"x": TEAM})).branches[0].suffix_ids
+
+
 def test_the_prefix_cache_forgets_the_least_recently_used_state(qwen: PromptCompiler) -> None:
     counting = CountingTokenizer(qwen36_tokenizer())
     compiler = PromptCompiler(counting, qwen.alphabet, prefix_cache_size=1)  # type: ignore[arg-type]

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpcore
 import orjson
 
-JSON_HEADERS = {"Content-Type": "application/json"}
+from worker.engine_http import TRANSPORT_ERRORS, EngineHttp, TimeoutException, header
+
 DEFAULT_MAX_ANSWER_BYTES = 1024 * 1024
 # A full-vocabulary log-probability is <= 0; float rounding in the engine's log_softmax may go a hair above.
 LOGPROB_CEILING = 1e-3
@@ -87,15 +88,7 @@ class EngineClient:
         sgl-project/sglang#34719, crashes when a batch mixes requests with and without it).
         `max_answer_bytes`: the most response bytes read per prompt of a call; a bigger answer is an error."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=base_url,
-            headers=headers,
-            timeout=httpx.Timeout(None, connect=5.0),
-            # Expire idle connections before the engine's uvicorn does (5 s), or a reused one may be
-            # closed under a request in flight.
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=2.0),
-        )
+        self._http = EngineHttp(base_url, headers, max_connections=max_connections)
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self.max_answer_bytes = max_answer_bytes
         self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
@@ -158,8 +151,8 @@ class EngineClient:
         repeat.add_done_callback(self._repeats.discard)
 
     async def _send_abort(self, rid: str) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            await self._http.post("/abort_request", json={"rid": rid}, timeout=5.0)
+        with contextlib.suppress(*TRANSPORT_ERRORS, TimeoutException):
+            await self._http.request("POST", "/abort_request", 5.0, orjson.dumps({"rid": rid}))
 
     async def _repeat_abort(self, rid: str) -> None:
         waited = 0.0
@@ -173,22 +166,21 @@ class EngineClient:
         limit = prompts * self.max_answer_bytes
         self.in_flight += 1
         try:
-            async with self._http.stream("POST", "/generate", content=body, headers=JSON_HEADERS,
-                                         timeout=max(timeout, 0.001)) as response:
+            async with self._http.stream("POST", "/generate", max(timeout, 0.001), body) as response:
                 raw = await _read_bounded(response, limit)
-        except httpx.TimeoutException as exc:
+        except TimeoutException as exc:
             raise TimeoutError(f"engine call {rid} timed out") from exc
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise EngineError(f"engine unreachable: {exc!r}") from exc
         finally:
             self.in_flight -= 1
         if raw is None:
             raise EngineError(f"engine answer to {rid} exceeds {limit} bytes ({prompts} prompts)")
-        if response.status_code != 200:
+        if response.status != 200:
             message = _error_message(raw)
-            if _is_abort(response.status_code, message):
+            if _is_abort(response.status, message):
                 raise EngineAborted(f"engine aborted {rid}: {message}")
-            raise EngineError(f"engine answered {response.status_code}: {message}")
+            raise EngineError(f"engine answered {response.status}: {message}")
         self.last_answer_at = time.monotonic()
         try:
             return orjson.loads(raw)
@@ -219,14 +211,14 @@ def score_request(prefix: SharedPrefix, branches: Sequence[BranchPrompt], max_ne
     return orjson.dumps(body)
 
 
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes | None:
+async def _read_bounded(response: httpcore.Response, limit: int) -> bytes | None:
     """The body, or None once it passes `limit` bytes (the rest is never read)."""
-    declared = response.headers.get("content-length")
+    declared = header(response, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_stream():
         size += len(chunk)
         if size > limit:
             return None

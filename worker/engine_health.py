@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-import httpx
+from worker.engine_http import TRANSPORT_ERRORS, EngineHttp, TimeoutException
 
 log = logging.getLogger("openjev.worker")
+
+PROBE_KEEPALIVE = 4.0  # seconds an idle probe connection is kept
 
 
 class Probe(StrEnum):
@@ -50,7 +52,9 @@ class EngineHealth:
                  last_seen_working: Callable[[], float] = lambda: 0.0) -> None:
         self.policy = policy or HealthPolicy()
         # Its own connection: a probe never waits for a pooled connection behind the job's calls.
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=self.policy.timeout)
+        # Kept alive from one probe to the next (2 s apart) and closed before the engine's uvicorn
+        # closes it (5 s idle): a new connection per probe would cost more than the probe.
+        self._http = EngineHttp(base_url, max_connections=1, keepalive_expiry=PROBE_KEEPALIVE)
         self._last_seen_working = last_seen_working
         self.routable = True
         self.down = asyncio.Event()
@@ -62,13 +66,13 @@ class EngineHealth:
         """Probe `/health` once and record the result."""
         started = time.monotonic()
         try:
-            response = await self._http.get("/health")
-        except httpx.TimeoutException:
+            status, _ = await self._http.request("GET", "/health", self.policy.timeout)
+        except TimeoutException:
             result = Probe.silent
-        except httpx.HTTPError:
+        except TRANSPORT_ERRORS:
             result = Probe.refused
         else:
-            result = Probe.healthy if response.status_code == 200 else Probe.unhealthy
+            result = Probe.healthy if status == 200 else Probe.unhealthy
         self.record(result, started, time.monotonic())
         return result
 
