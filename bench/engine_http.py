@@ -1,7 +1,7 @@
 """CPU per engine call: the worker's transport (worker/engine_http.py, httpcore's pool) against an
 httpx.AsyncClient doing the same calls, in one process, rounds interleaved, against the scripted
-engine (a separate process, not measured). Calls: a README-sized `/generate` body (POST, ~1.5 KB),
-and the health probe (GET), back to back and 2 s apart (as the worker probes).
+engine (a separate process, not measured). Calls: a README-sized `/generate` body (POST, ~1.5 KB), a
+batch of 64 such prompts in one call, and the health probe (GET), back to back and 2 s apart (as the worker probes).
 
     uv run --extra cpu --extra dev python -m bench.engine_http [--calls 200] [--rounds 5]
 
@@ -28,6 +28,10 @@ BODY = orjson.dumps({"input_ids": list(range(300)), "rid": "bench",
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
                      "logprob_start_len": -1, "token_ids_logprob": [32, 33, 34], "top_logprobs_num": 0,
                      "return_text_in_logprobs": False})
+BATCH = orjson.dumps({"input_ids": [list(range(300))] * 64, "rid": [f"bench-{i}" for i in range(64)],
+                      "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
+                      "logprob_start_len": -1, "token_ids_logprob": [32, 33], "top_logprobs_num": 0,
+                      "return_text_in_logprobs": False})
 
 
 async def cpu_ms_per_call(call: Callable[[], Awaitable[object]], calls: int, gap: float = 0.0) -> float:
@@ -51,6 +55,14 @@ async def run(base: str, calls: int, rounds: int) -> None:
                 status, _ = await engine.request("POST", "/generate", 30.0, BODY)
                 assert status == 200
 
+            async def httpx_batch() -> None:
+                response = await client.post("/generate", content=BATCH, headers={"Content-Type": "application/json"})
+                assert response.status_code == 200, response.text
+
+            async def ours_batch() -> None:
+                status, _ = await engine.request("POST", "/generate", 30.0, BATCH)
+                assert status == 200
+
             async def httpx_health() -> None:
                 assert (await client.get("/health")).status_code == 200
 
@@ -58,6 +70,7 @@ async def run(base: str, calls: int, rounds: int) -> None:
                 assert (await engine.request("GET", "/health", 30.0))[0] == 200
 
             cases = [("POST /generate", httpx_generate, ours_generate, calls, 0.0),
+                     ("POST /generate, 64 prompts", httpx_batch, ours_batch, max(1, calls // 8), 0.0),
                      ("GET /health", httpx_health, ours_health, calls, 0.0),
                      ("GET /health, 2 s apart", httpx_health, ours_health, 5, 2.0)]
             print("| call | httpx.AsyncClient CPU-ms | worker/engine_http.py CPU-ms | ratio |\n|---|---|---|---|")
