@@ -1,8 +1,9 @@
 """What keeps a worker honest about which jobs are still its own: it renews its lease with every
-heartbeat (worker/runner.py), and when the lease lapsed (the process was paused or cut off from Redis for longer than
-the liveness window), other workers may have moved its jobs. It then takes a new lease, so nothing
-more can move, and stops every job whose placement is no longer its own, which aborts that job's
-engine calls; its outcome would be refused anyway (common/queue/records.py)."""
+heartbeat (worker/runner.py), and when the lease lapsed (the process was paused or cut off from
+Redis for longer than the liveness window), other workers may have moved its jobs. It then takes a
+new lease, so nothing more can move, and stops every job whose placement is no longer its own, which
+aborts that job's engine calls; its outcome would be refused anyway (common/queue/records.py). The
+same mark-and-cancel stops a job cancelled through a wake-up (worker/wakeups.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,11 @@ this package, and nothing else writes Redis. A job's life, step by step:
 4. membership.py Heartbeats (stamped with Redis's clock) say who is live and what it can take.
 5. leases.py     Each worker holds a lease on its id. Once a lease lapses, live workers move that
                  worker's jobs as new placements; a worker that finds its lease lapsed takes a new
-                 one and stops the jobs taken from it (worker/fencing.py).
+                 one and stops the jobs taken from it (worker/fencing.py). A worker's heartbeat,
+                 lease renewal and look for vanished workers are one round trip a second (`beat`).
+
+The pub/sub notices (completion to the API, wake-ups to workers) only make things sooner: each
+listener (subscriptions.py) resubscribes after a Redis error, and each has a polling fallback.
 
 Every key has a TTL or a bound: records and arq's job keys expire after the deadline (plus the
 result TTL for async jobs), sync records go at delivery, abort marks live only while a job could
