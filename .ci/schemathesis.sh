@@ -35,7 +35,10 @@ trap stop_serve EXIT
 fuzz() {  # fuzz NAME [API_KEY]
     local name="$1" key="${2:-}" port excluded=use_after_free
     port="$(uv run --extra cpu --extra dev python -c 'from openjev.embedded_redis import free_port; print(free_port())')"
-    local vars=(OPENJEV_MAX_QUESTIONS=3 OPENJEV_MAX_OPTIONS=6 OPENJEV_DEBIAS_MAX_ROTATIONS=2)
+    # Its own Redis data dir: jobs still queued when the fuzzing stops must not be resumed by the
+    # next `openjev serve` on this machine (the default dir is the user's, under the cache dir).
+    local vars=(OPENJEV_MAX_QUESTIONS=3 OPENJEV_MAX_OPTIONS=6 OPENJEV_DEBIAS_MAX_ROTATIONS=2
+                OPENJEV_REDIS_DIR="$WORK/redis-$name")
     [ -n "$key" ] && vars+=(OPENJEV_API_KEY="$key")
     env "${vars[@]}" uv run --extra cpu --extra dev openjev serve --port "$port" >"$WORK/serve-$name.log" 2>&1 &
     SERVE_PID=$!
