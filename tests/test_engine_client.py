@@ -16,6 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from openjev.embedded_redis import free_port
 from tests.processes import Proc, start_scripted_engine
 from worker.engine_client import BranchPrompt, EngineAborted, EngineClient, EngineError, GenerateResult, SharedPrefix
 
@@ -145,3 +146,32 @@ async def settled(engine: Proc, before: dict[str, Any], timeout: float = 8.0) ->
             return now
         await asyncio.sleep(0.05)
     raise AssertionError(f"the call did not end within {timeout} s")
+
+
+async def test_transport_failures_map_to_engine_error_and_timeout_error(engine: Proc) -> None:
+    """No engine at the address: EngineError (the job's 502); an engine slower than the call's time
+    left: TimeoutError (the job's 504); an answer past the byte bound: EngineError, unread."""
+    nobody = EngineClient(f"http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(EngineError, match="engine unreachable"):
+            await score_one(nobody, list(range(100, 140)), [9805, 787], "job-nobody")
+    finally:
+        await nobody.close()
+    assert engine.url
+    script(engine, fail_rid_suffix=None, fail_body=None, delay=3.0, register_delay=0.0)
+    slow = EngineClient(engine.url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await slow.score_branches(SharedPrefix(list(range(100, 136))),
+                                      [BranchPrompt("job-slow", [1, 2, 3], [9805])], timeout=0.5)
+        assert time.monotonic() - started < 2.5
+    finally:
+        script(engine, delay=0.0)
+        await slow.close()
+    small = EngineClient(engine.url, max_answer_bytes=64)
+    try:
+        with pytest.raises(EngineError, match="exceeds 64 bytes"):
+            await score_one(small, list(range(100, 140)), [9805, 787], "job-small")
+    finally:
+        await small.close()
