@@ -47,21 +47,18 @@ async def run(base: str, calls: int, rounds: int) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         engine = EngineHttp(base, max_connections=1, keepalive_expiry=4.0)
         try:
-            async def httpx_generate() -> None:
-                response = await client.post("/generate", content=BODY, headers={"Content-Type": "application/json"})
-                assert response.status_code == 200, response.text
+            def httpx_post(body: bytes) -> Callable[[], Awaitable[None]]:
+                async def call() -> None:
+                    response = await client.post("/generate", content=body,
+                                                 headers={"Content-Type": "application/json"})
+                    assert response.status_code == 200, response.text
+                return call
 
-            async def ours_generate() -> None:
-                status, _ = await engine.request("POST", "/generate", 30.0, BODY)
-                assert status == 200
-
-            async def httpx_batch() -> None:
-                response = await client.post("/generate", content=BATCH, headers={"Content-Type": "application/json"})
-                assert response.status_code == 200, response.text
-
-            async def ours_batch() -> None:
-                status, _ = await engine.request("POST", "/generate", 30.0, BATCH)
-                assert status == 200
+            def ours_post(body: bytes) -> Callable[[], Awaitable[None]]:
+                async def call() -> None:
+                    status, _ = await engine.request("POST", "/generate", 30.0, body)
+                    assert status == 200
+                return call
 
             async def httpx_health() -> None:
                 assert (await client.get("/health")).status_code == 200
@@ -69,8 +66,8 @@ async def run(base: str, calls: int, rounds: int) -> None:
             async def ours_health() -> None:
                 assert (await engine.request("GET", "/health", 30.0))[0] == 200
 
-            cases = [("POST /generate", httpx_generate, ours_generate, calls, 0.0),
-                     ("POST /generate, 64 prompts", httpx_batch, ours_batch, max(1, calls // 8), 0.0),
+            cases = [("POST /generate", httpx_post(BODY), ours_post(BODY), calls, 0.0),
+                     ("POST /generate, 64 prompts", httpx_post(BATCH), ours_post(BATCH), max(1, calls // 8), 0.0),
                      ("GET /health", httpx_health, ours_health, calls, 0.0),
                      ("GET /health, 2 s apart", httpx_health, ours_health, 5, 2.0)]
             print("| call | httpx.AsyncClient CPU-ms | worker/engine_http.py CPU-ms | ratio |\n|---|---|---|---|")
