@@ -1,6 +1,7 @@
 """The API's side of the queue: place a job (one script, common/queue/placement.py), learn of its
-end by a pushed notice ("<job id> <status>", one pub/sub subscription per process) with the job
-record as the truth, and end jobs the API gives up on. Redis errors become one 503 here."""
+end by a pushed notice ("<job id> <status>", a sync job's with its outcome; one pub/sub subscription
+per process) with the job record as the truth, and end jobs the API gives up on. Redis errors become
+one 503 here."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class CompletionWaiter:
 
     def __init__(self, redis: ArqRedis) -> None:
         self.redis = redis
-        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiting: dict[str, set[asyncio.Future[bytes | None]]] = {}
         self._subscription = Subscription(redis, keys.DONE_CHANNEL, self._announce,
                                           fallback="waiters recheck their records meanwhile", log=log,
                                           retry_delay=0.5, max_retry_delay=RECHECK_INTERVAL)
@@ -47,13 +48,14 @@ class CompletionWaiter:
     async def stop(self) -> None:
         await self._subscription.close()
 
-    def expect(self, job_id: str) -> asyncio.Future[None]:
-        """A future resolved when `job_id`'s end is announced; call `forget` when done."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def expect(self, job_id: str) -> asyncio.Future[bytes | None]:
+        """A future resolved when `job_id`'s end is announced, with the outcome JSON where the notice
+        carries it (a sync job's store) and None otherwise; call `forget` when done."""
+        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(job_id, set()).add(future)
         return future
 
-    def forget(self, job_id: str, future: asyncio.Future[None]) -> None:
+    def forget(self, job_id: str, future: asyncio.Future[bytes | None]) -> None:
         futures = self._waiting.get(job_id)
         if futures is not None:
             futures.discard(future)
@@ -61,10 +63,11 @@ class CompletionWaiter:
                 del self._waiting[job_id]
 
     def _announce(self, notice: bytes) -> None:
-        job_id, _, _status = notice.partition(b" ")
+        job_id, _, rest = notice.partition(b" ")
+        outcome = rest.partition(b" ")[2] or None
         for future in self._waiting.pop(job_id.decode(), ()):
             if not future.done():
-                future.set_result(None)
+                future.set_result(outcome)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class JobQueue:
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
+        self._forgetting: set[asyncio.Task[None]] = set()  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
@@ -118,7 +122,9 @@ class JobQueue:
     async def run(self, job: EvaluationJob, timeout: float) -> JobOutcome | None:
         """Submit `job` as a sync job and wait for its outcome, which is then removed from Redis (no
         one else can read it); None if `timeout` seconds pass first. The notice is expected before
-        the job is placed, so nothing is read before it arrives."""
+        the job is placed, so nothing is read before it arrives; a notice that carries the outcome is
+        the answer (the record is dropped after, off the request's path), any other sends the waiter
+        to the record."""
         future = self.waiter.expect(job.id)
         try:
             await self.submit(job, sync=True)
@@ -129,12 +135,26 @@ class JobQueue:
                     return None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                if future.done() and (announced := future.result()) is not None:
+                    self._forget_later(job.id)
+                    return JobOutcome.model_validate_json(announced)
                 with _reachable():
                     status, outcome = await self.store.collect(job.id)
                 if status is None or outcome is not None:
                     return outcome
         finally:
             self.waiter.forget(job.id, future)
+
+    def _forget_later(self, job_id: str) -> None:
+        """Drop a sync job's record in the background; if Redis fails, it expires SYNC_KEEP s after its end."""
+        task = asyncio.create_task(self.store.forget(job_id))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgotten)
+
+    def _forgotten(self, task: asyncio.Task[None]) -> None:
+        self._forgetting.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.warning("could not drop a sync job's record (%r); it expires within %d s", error, SYNC_KEEP)
 
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return once the async job `job_id` has ended or is gone, or after `timeout` seconds."""

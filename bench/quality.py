@@ -100,14 +100,18 @@ def read_rows(name: str) -> list[dict[str, Any]]:
         return ipc.open_stream(source).read_all().to_pylist()
 
 
-def load_items(name: str, size: int, seed: int) -> list[Item]:
-    """`size` items of one set, drawn with `seed`; alternate items go to the held-out split."""
+def load_items(name: str, size: int, seed: int, choice_question: str = "generic") -> list[Item]:
+    """`size` items of one set, drawn with `seed`; alternate items go to the held-out split.
+
+    `choice_question` (ARC-Easy, CSQA): "generic" asks "Which option answers the question correctly?"
+    of a state that is the set's question; "own" asks the set's question itself (as BoolQ does) of
+    the same state."""
     rows = read_rows(name)
     order = list(range(len(rows)))
     random.Random(f"{seed}:{name}").shuffle(order)
     items: list[Item] = []
     for index in order:
-        item = _item(name, index, rows[index], "held_out" if len(items) % 2 else "fit")
+        item = _item(name, index, rows[index], "held_out" if len(items) % 2 else "fit", choice_question)
         if item is not None:
             items.append(item)
         if len(items) == size:
@@ -115,7 +119,8 @@ def load_items(name: str, size: int, seed: int) -> list[Item]:
     return items
 
 
-def _item(name: str, index: int, row: dict[str, Any], split: str) -> Item | None:
+def _item(name: str, index: int, row: dict[str, Any], split: str, choice_question: str = "generic"
+          ) -> Item | None:
     if name == "boolq":
         question = {"type": "noul", "instructions": row["question"].strip().capitalize() + "?"}
         gold = 0 if row["answer"] in (True, "True") else 1
@@ -128,8 +133,8 @@ def _item(name: str, index: int, row: dict[str, Any], split: str) -> Item | None
     texts = [text.strip() for text in choices["text"]]
     if len(set(texts)) != len(texts) or row["answerKey"] not in choices["label"]:
         return None  # option names must be distinct to round-trip
-    question = {"type": "choice", "instructions": "Which option answers the question correctly?",
-                "criteria": dict.fromkeys(texts)}
+    asked = row["question"].strip() if choice_question == "own" else "Which option answers the question correctly?"
+    question = {"type": "choice", "instructions": asked, "criteria": dict.fromkeys(texts)}
     return Item(name, index, split, row["question"], question, texts, choices["label"].index(row["answerKey"]))
 
 
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         records = read_records(out / "records.jsonl")
     else:
-        items = [item for name in args.sets for item in load_items(name, args.size, args.seed)]
+        items = [item for name in args.sets for item in load_items(name, args.size, args.seed, args.choice_question)]
         key = os.environ.get(args.key_env) if args.key_env else None
         started = time.perf_counter()
         records = asyncio.run(run_items(args.url, items, args.orderings, args.model, args.debias, args.concurrency,
@@ -353,6 +358,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--orderings", type=int, default=2, help="rotations each choice item is asked in (default 2)")
     parser.add_argument("--debias", action=argparse.BooleanOptionalAction, default=None,
                         help="send x_debias true/false (default: the server's setting)")
+    parser.add_argument("--choice-question", choices=("generic", "own"), default="generic",
+                        help="ARC-Easy and CSQA: ask a generic 'which option answers the question' (default) or "
+                             "the set's own question")
     parser.add_argument("--model", default="jev-latest", help="the model name sent (default jev-latest)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight (default 2)")
     parser.add_argument("--key-env", metavar="VAR", help="the environment variable holding the API key")

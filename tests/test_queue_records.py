@@ -163,3 +163,23 @@ async def test_a_beat_heartbeats_renews_and_names_the_silent_members_and_never_r
     await redis.set(keys.lease_key("w7"), "someone-else")
     with pytest.raises(LeaseTaken):
         await beat(redis, info, lease)
+
+
+async def test_a_sync_jobs_notice_carries_its_outcome_and_forget_drops_the_record(
+        redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_n", kind="sync")
+    await store.start("job_n.1", "w1")
+    async with redis.pubsub() as pubsub:
+        await pubsub.subscribe(keys.DONE_CHANNEL)
+        await pubsub.get_message(timeout=1)
+        assert await store.store("job_n.1", DONE, time.monotonic() + 5) is True
+        notice = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert notice is not None
+    job_id, status, outcome = notice["data"].split(b" ", 2)
+    assert (job_id, status) == (b"job_n", b"succeeded")
+    assert JobOutcome.model_validate_json(outcome) == DONE
+    record = await store.get("job_n")  # still the truth for a waiter that missed the notice
+    assert record is not None and record.outcome == DONE
+    await store.forget("job_n")
+    assert not await redis.exists(keys.job_key("job_n"))

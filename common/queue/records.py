@@ -39,14 +39,22 @@ return {f[3], f[4], tostring(now)}
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
-# store), 0 refused (ended already, or moved).
+# store), 0 refused (ended already, or moved). The notice is "<job id> <status>"; a sync job's also
+# carries the outcome ("<job id> <status> <outcome JSON>"): its one reader, the request waiting for it,
+# then answers without reading the record back (and drops it, `forget`); the record stays the truth for
+# a waiter that missed the notice.
 _STORE = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by')
 if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
-redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
-redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
+if f[3] == 'sync' then
+  redis.call('EXPIRE', KEYS[1], SYNC_KEEP)
+  redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+else
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
+end
 return 1
 """.replace("SYNC_KEEP", str(SYNC_KEEP))
 
@@ -167,6 +175,10 @@ class JobStore:
         if not status:
             return None, None
         return JobStatus(status.decode()), JobOutcome.model_validate_json(outcome) if outcome else None
+
+    async def forget(self, job_id: str) -> None:
+        """Remove a sync job's record once its caller has the outcome from the notice."""
+        await self.redis.delete(keys.job_key(job_id))
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None if unknown or expired."""

@@ -1,0 +1,87 @@
+"""The API's wait for a sync job (api/queue.py `JobQueue.run`) over a real Redis: the outcome comes
+from the completion notice, without reading the record back, and the record is dropped after; a
+request whose notice never arrives still gets its outcome from the record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+from arq.connections import ArqRedis, RedisSettings, create_pool
+
+from api.queue import CompletionWaiter, JobQueue
+from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
+from common.queue import keys
+from common.queue.membership import WorkerInfo, heartbeat
+from common.queue.records import JobStore
+from common.settings import ConfidenceMode
+
+OUTCOME = JobOutcome(status=JobStatus.succeeded, result={"answers": {"q": {"p": 0.25}}})
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def arq_redis(redis_server: str) -> AsyncIterator[ArqRedis]:
+    pool = await create_pool(RedisSettings.from_dsn(redis_server), job_serializer=serialize,
+                             job_deserializer=deserialize)
+    await pool.flushdb()
+    await heartbeat(pool, WorkerInfo(id="w1", queue=keys.queue_name("w1"), model="m", max_jobs=4, max_branches=8,
+                                     started_at=time.time()))
+    yield pool
+    await pool.aclose()
+
+
+class CountingStore(JobStore):
+    """A JobStore that counts reads of the record back (to tell the notice's answer from the record's)."""
+
+    collected = 0
+
+    async def collect(self, job_id: str) -> tuple[JobStatus | None, JobOutcome | None]:
+        self.collected += 1
+        return await super().collect(job_id)
+
+
+def job(job_id: str) -> EvaluationJob:
+    now = time.time()
+    return EvaluationJob(id=job_id, request_id="req_" + job_id, model="m", prefix_ids=[1, 2, 3], prefix_hash="k",
+                         branches=[], created_at=now, deadline_at=now + 30, temperature=1.0,
+                         confidence=ConfidenceMode.typesafe)
+
+
+async def finish(store: JobStore, job_id: str) -> None:
+    """What the worker does: wait for the placement, start it, store the outcome."""
+    record_key = keys.job_key(job_id)
+    while (placement := await store.redis.hget(record_key, "placement")) is None:
+        await asyncio.sleep(0.01)
+    assert await store.start(placement.decode(), "w1") is not None
+    assert await store.store(placement.decode(), OUTCOME, time.monotonic() + 5)
+
+
+async def test_a_sync_answer_comes_from_the_notice_and_its_record_is_dropped(arq_redis: ArqRedis) -> None:
+    store = CountingStore(arq_redis, result_ttl=600)
+    waiter = CompletionWaiter(arq_redis)
+    await waiter.start()
+    try:
+        queue = JobQueue(arq_redis, store, waiter)
+        outcome, _ = await asyncio.gather(queue.run(job("job_a"), 10), finish(store, "job_a"))
+        assert outcome == OUTCOME
+        assert store.collected == 0  # answered from the notice
+        for _ in range(100):
+            if not await arq_redis.exists(keys.job_key("job_a")):
+                break
+            await asyncio.sleep(0.02)
+        assert not await arq_redis.exists(keys.job_key("job_a"))  # dropped once answered
+    finally:
+        await waiter.stop()
+
+
+async def test_a_missed_notice_is_made_up_by_the_record(arq_redis: ArqRedis) -> None:
+    store = CountingStore(arq_redis, result_ttl=600)
+    waiter = CompletionWaiter(arq_redis)  # never started: no notice reaches it
+    queue = JobQueue(arq_redis, store, waiter)
+    started = time.monotonic()
+    outcome, _ = await asyncio.gather(queue.run(job("job_m"), 10), finish(store, "job_m"))
+    assert outcome == OUTCOME
+    assert store.collected >= 1 and time.monotonic() - started < 3  # the record, at the next recheck
+    assert not await arq_redis.exists(keys.job_key("job_m"))  # collected: removed
