@@ -232,6 +232,16 @@ def expected_calibration_error(confidences: Sequence[float], correct: Sequence[b
                      for members in groups.values())
 
 
+def ece_floor(confidences: Sequence[float], draws: int = 500, seed: int = 0, bins: int = ECE_BINS) -> float:
+    """The median ECE of a perfectly calibrated model with these top probabilities on this many items:
+    each draw makes every answer right with exactly its confidence. Below it, a measured ECE says
+    nothing more about calibration; it is the noise floor of the sample's size."""
+    rng = random.Random(seed)
+    found = [expected_calibration_error(confidences, [rng.random() < c for c in confidences], bins)
+             for _ in range(draws)]
+    return statistics.median(found)
+
+
 def brier_score(records: Sequence[Record]) -> float:
     """Mean over answers of Σ_i (p_i − y_i)², y the one-hot right option (so noul counts 2·(p − y)²)."""
     return statistics.fmean(math.fsum((p - (i == r.gold)) ** 2 for i, p in enumerate(r.probabilities))
@@ -297,14 +307,17 @@ def report(records: list[Record], title: str) -> tuple[str, Calibration]:
     groups = {name: group for name, group in groups.items() if group}
     choice = [r for r in records if r.kind == "choice"]
     lines = [f"### {title}", "",
-             "| set | n | accuracy | ECE | Brier | flips under rotation | held-out ECE before → after calibration |",
-             "|---|---|---|---|---|---|---|"]
+             "| set | n | accuracy | ECE | Brier | flips under rotation | held-out ECE before → after calibration "
+             "| calibrated model's held-out ECE (noise floor) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, group in [*groups.items(), ("choice", choice), ("all", records)]:
         m = metrics(group)
         held = [r for r in held_out if r in group]
         after = f"{metrics(held).ece:.3f} → {metrics(calibrated(held, calibration)).ece:.3f}" if held else "–"
+        floor = f"{ece_floor([max(r.probabilities) for r in calibrated(held, calibration)]):.3f}" if held else "–"
         flips = "–" if m.flip_rate is None else f"{m.flip_rate:.0%}"
-        lines.append(f"| {name} | {m.n} | {m.accuracy:.3f} | {m.ece:.3f} | {m.brier:.3f} | {flips} | {after} |")
+        lines.append(f"| {name} | {m.n} | {m.accuracy:.3f} | {m.ece:.3f} | {m.brier:.3f} | {flips} | {after} "
+                     f"| {floor} |")
     lines += ["", "| set | predicted label share | gold label share |", "|---|---|---|"]
     for name, group in groups.items():
         m = metrics(group)

@@ -10,6 +10,7 @@ from bench.quality import (
     Record,
     brier_score,
     calibrated,
+    ece_floor,
     expected_calibration_error,
     load_items,
     metrics,
@@ -76,3 +77,19 @@ def test_a_rotated_choice_item_is_sent_with_its_options_shifted_left() -> None:
     names = list(request_body(item, 2, "jev-latest", True)["questions"]["q"]["criteria"])
     assert names == item.options[2:] + item.options[:2]
     assert request_body(item, 0, "jev-latest", None).keys() == {"model", "state", "questions"}
+
+
+def test_a_choice_item_asks_the_sets_own_question_or_a_generic_one() -> None:
+    pytest.importorskip("pyarrow")
+    own, generic = load_items("arc_easy", 1, seed=0, choice_question="own")[0], load_items("arc_easy", 1, seed=0)[0]
+    assert own.question["instructions"] == own.state  # the state is the set's question too
+    assert generic.question["instructions"] == "Which option answers the question correctly?"
+    assert own.question["criteria"] == generic.question["criteria"] and own.gold == generic.gold
+
+
+def test_the_ece_noise_floor_is_zero_for_certain_answers_and_shrinks_with_the_sample() -> None:
+    assert ece_floor([1.0] * 50) == 0.0  # always right at confidence 1: nothing to miss
+    small, large = ece_floor([0.7] * 20, draws=200), ece_floor([0.7] * 2000, draws=200)
+    # one bin: the floor is the median |mean of n Bernoulli(0.7) − 0.7|, ≈ 0.6745·√(0.21/n) (0.069 at n = 20,
+    # 0.05 as the median of a discrete count; 0.0069 at n = 2000)
+    assert 0.04 < small < 0.1 and large < 0.012
