@@ -5,6 +5,7 @@ each a full stack of real processes, measured in the same run with rounds interl
 machine's load hits both alike. Medians of the rounds; ratios are new / baseline.
 
     uv run --extra cpu --extra dev python -m bench.cpu_cost [--baseline REV] [--rounds 3] [--unbatched]
+    uv run --extra cpu --extra dev python -m bench.cpu_cost --idle-floor [--rounds 3] [--idle-seconds 20]
 
 Scenarios: the README example at concurrency 1, 16 and 64; 1/4/16/64 questions and 100/1000/8000-token
 states at concurrency 16 (per-question and per-1k-state-token slopes from them); and each stack at rest.
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class Stack:
     root: Path
     python: str  # the interpreter of the environment the stack's code runs in
     env: dict[str, str] = field(default_factory=dict)  # settings of this stack only
+    redis_hz: int | None = None  # Redis's `hz` (its background timer, 10 by default), set after it starts
     url: str = ""
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -109,6 +111,11 @@ def running_stack(stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stac
     redis, redis_url = start_redis()
     processes.append(redis)
     try:
+        if stack.redis_hz is not None:
+            import redis as redis_client
+
+            with redis_client.Redis.from_url(redis_url) as client:
+                client.config_set("hz", stack.redis_hz)
         engine_port, api_port = free_port(), free_port()
         engine = spawn(ROOT, log_dir, f"{stack.name}-engine",
                        [sys.executable, "-m", "tests.scripted_engine", "--port", str(engine_port)], {})
@@ -192,6 +199,58 @@ def idle_ms_per_second(stack: Stack, seconds: float) -> dict[str, float]:
     time.sleep(seconds)
     after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     return {name: (after[name] - before[name]) * 1000 / seconds for name in MEASURED}
+
+
+async def noop_app(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+                   ) -> None:
+    """An ASGI app that does nothing: uvicorn's own cost at rest (`--idle-floor`)."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+TICKING_LOOP = ("import asyncio\nasync def main():\n    while True:\n        await asyncio.sleep(0.1)\n"
+                "asyncio.run(main())")
+
+
+def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float) -> list[str]:
+    """This checkout at rest with liveness trimmed one way at a time and all at once, beside what a bare
+    uvicorn and a bare asyncio loop waking ten times a second cost on this machine."""
+    poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
+    variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
+                Stack("arq poll 5 s (default 1)", ROOT, sys.executable, poll),
+                Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
+                Stack("Redis hz 1 (default 10)", ROOT, sys.executable, redis_hz=1),
+                Stack("all three", ROOT, sys.executable, {**poll, **probe}, redis_hz=1)]
+    lines = ["| at rest | API | worker | Redis | total CPU-ms per second |", "|---|---|---|---|---|"]
+    for stack in variants:
+        with running_stack(stack, model_dir, log_dir) as running:
+            time.sleep(3)  # past start-up
+            found = [idle_ms_per_second(running, seconds) for _ in range(rounds)]
+        rest = {name: statistics.median(r[name] for r in found) for name in MEASURED}
+        lines.append(f"| {stack.name} | {rest['api']:.2f} | {rest['worker']:.2f} | {rest['redis']:.2f} | "
+                     f"{sum(rest.values()):.2f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    port = free_port()
+    for name, argv in (("a bare uvicorn (no-op app)", [sys.executable, "-m", "uvicorn", "bench.cpu_cost:noop_app",
+                                                       "--port", str(port), "--log-level", "warning"]),
+                       ("a bare asyncio loop waking every 0.1 s", [sys.executable, "-c", TICKING_LOOP])):
+        process = spawn(ROOT, log_dir, "floor", argv, {})
+        try:
+            time.sleep(3)
+            found = []
+            for _ in range(rounds):
+                before = cpu_seconds(process.pid)
+                time.sleep(seconds)
+                found.append((cpu_seconds(process.pid) - before) * 1000 / seconds)
+        finally:
+            process.terminate()
+            process.wait(10)
+        lines.append(f"| {name} | {statistics.median(found):.2f} | | | {statistics.median(found):.2f} |")
+    lines.append("")
+    lines.append(f"medians of {rounds} windows of {seconds:g} s; CPU from /proc/PID/stat (10 ms ticks)")
+    return lines
 
 
 def noul_questions(count: int) -> dict:
@@ -279,6 +338,9 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
     parser.add_argument("--idle-only", action="store_true", help="only the stacks at rest (no requests)")
+    parser.add_argument("--idle-floor", action="store_true",
+                        help="only this checkout at rest, with liveness trimmed (poll, probe, Redis hz), beside a "
+                             "bare uvicorn and a bare 10 Hz asyncio loop")
     parser.add_argument("--unbatched", action="store_true",
                         help="also run this checkout with OPENJEV_BRANCH_BATCH_SIZE=1 (one call per branch)")
     args = parser.parse_args()
@@ -287,6 +349,9 @@ def main() -> int:
 
     model_dir = ensure_converted(model_cache_dir())
     log_dir = Path(tempfile.mkdtemp(prefix="openjev-cpu-cost-"))
+    if args.idle_floor:
+        print("\n".join(idle_floor(model_dir, log_dir, args.rounds, args.idle_seconds)), flush=True)
+        return 0
     found = [] if args.idle_only else scenarios(model_dir, args.quick)
     with ExitStack() as resources:
         base_root = resources.enter_context(baseline_checkout(args.baseline))

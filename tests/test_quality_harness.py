@@ -81,7 +81,7 @@ def test_a_rotated_choice_item_is_sent_with_its_options_shifted_left() -> None:
 
 def test_a_choice_item_asks_the_sets_own_question_or_a_generic_one() -> None:
     pytest.importorskip("pyarrow")
-    own, generic = load_items("arc_easy", 1, seed=0, choice_question="own")[0], load_items("arc_easy", 1, seed=0)[0]
+    own, generic = load_items("arc_easy", 1, seed=0)[0], load_items("arc_easy", 1, seed=0, choice_question="generic")[0]
     assert own.question["instructions"] == own.state  # the state is the set's question too
     assert generic.question["instructions"] == "Which option answers the question correctly?"
     assert own.question["criteria"] == generic.question["criteria"] and own.gold == generic.gold
