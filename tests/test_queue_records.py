@@ -16,7 +16,7 @@ from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import Dispatcher
-from common.queue.records import SYNC_KEEP, JobStore
+from common.queue.records import NOTICE_OUTCOME_MAX, SYNC_KEEP, JobStore
 from common.settings import RoutingPolicy
 
 DONE = JobOutcome(status=JobStatus.succeeded, result={"answers": {}})
@@ -183,3 +183,18 @@ async def test_a_sync_jobs_notice_carries_its_outcome_and_forget_drops_the_recor
     assert record is not None and record.outcome == DONE
     await store.forget("job_n")
     assert not await redis.exists(keys.job_key("job_n"))
+
+
+async def test_a_sync_outcome_too_big_for_a_notice_is_announced_bare_and_kept_for_collection(
+        redis: Redis, store: JobStore) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_b", kind="sync")
+    await store.start("job_b.1", "w1")
+    big = JobOutcome(status=JobStatus.succeeded, result={"answers": {"q": "x" * NOTICE_OUTCOME_MAX}})
+    async with redis.pubsub() as pubsub:
+        await pubsub.subscribe(keys.DONE_CHANNEL)
+        await pubsub.get_message(timeout=1)
+        assert await store.store("job_b.1", big, time.monotonic() + 5) is True
+        notice = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+    assert notice is not None and notice["data"] == b"job_b succeeded"
+    assert await store.collect("job_b") == (JobStatus.succeeded, big)

@@ -22,6 +22,9 @@ from common.queue import keys
 log = logging.getLogger("openjev.queue")
 
 SYNC_KEEP = 60  # seconds a sync job's record outlives its deadline or its outcome: only its caller reads it
+# The largest outcome a sync job's notice carries (bytes of JSON): every API process receives every
+# notice, so a bigger one (hundreds of options on many questions) is announced bare and read back.
+NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
 
 # KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
@@ -40,23 +43,22 @@ return {f[3], f[4], tostring(now)}
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
 # store), 0 refused (ended already, or moved). The notice is "<job id> <status>"; a sync job's also
-# carries the outcome ("<job id> <status> <outcome JSON>"): its one reader, the request waiting for it,
-# then answers without reading the record back (and drops it, `forget`); the record stays the truth for
-# a waiter that missed the notice.
+# carries the outcome ("<job id> <status> <outcome JSON>") up to NOTICE_OUTCOME_MAX bytes: its one
+# reader, the request waiting for it, then answers without reading the record back (and drops it,
+# `forget`); the record stays the truth for a waiter that missed the notice.
 _STORE = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by')
 if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
-if f[3] == 'sync' then
-  redis.call('EXPIRE', KEYS[1], SYNC_KEEP)
+redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
+if f[3] == 'sync' and #ARGV[3] <= NOTICE_OUTCOME_MAX then
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
 else
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
 end
 return 1
-""".replace("SYNC_KEEP", str(SYNC_KEEP))
+""".replace("SYNC_KEEP", str(SYNC_KEEP)).replace("NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX))
 
 # KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
 # mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
