@@ -194,11 +194,15 @@ def measure(stack: Stack, scenario: Scenario) -> Sample:
     return Sample(cpu, scenario.requests / wall)
 
 
-def idle_ms_per_second(stack: Stack, seconds: float) -> dict[str, float]:
-    before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
+def cpu_ms_per_second(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """CPU-ms per second of each named process over the next `seconds`."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     time.sleep(seconds)
-    after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
-    return {name: (after[name] - before[name]) * 1000 / seconds for name in MEASURED}
+    return {name: (cpu_seconds(pid) - before[name]) * 1000 / seconds for name, pid in pids.items()}
+
+
+def idle_ms_per_second(stack: Stack, seconds: float) -> dict[str, float]:
+    return cpu_ms_per_second({name: stack.pids[name] for name in MEASURED}, seconds)
 
 
 async def noop_app(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
@@ -239,11 +243,7 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float) -> l
         process = spawn(ROOT, log_dir, "floor", argv, {})
         try:
             time.sleep(3)
-            found = []
-            for _ in range(rounds):
-                before = cpu_seconds(process.pid)
-                time.sleep(seconds)
-                found.append((cpu_seconds(process.pid) - before) * 1000 / seconds)
+            found = [cpu_ms_per_second({name: process.pid}, seconds)[name] for _ in range(rounds)]
         finally:
             process.terminate()
             process.wait(10)

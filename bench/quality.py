@@ -120,7 +120,7 @@ def load_items(name: str, size: int, seed: int, choice_question: str = "own") ->
     return items
 
 
-def _item(name: str, index: int, row: dict[str, Any], split: str, choice_question: str = "own") -> Item | None:
+def _item(name: str, index: int, row: dict[str, Any], split: str, choice_question: str) -> Item | None:
     if name == "boolq":
         question = {"type": "noul", "instructions": row["question"].strip().capitalize() + "?"}
         gold = 0 if row["answer"] in (True, "True") else 1
@@ -313,8 +313,9 @@ def report(records: list[Record], title: str) -> tuple[str, Calibration]:
     for name, group in [*groups.items(), ("choice", choice), ("all", records)]:
         m = metrics(group)
         held = [r for r in held_out if r in group]
-        after = f"{metrics(held).ece:.3f} → {metrics(calibrated(held, calibration)).ece:.3f}" if held else "–"
-        floor = f"{ece_floor([max(r.probabilities) for r in calibrated(held, calibration)]):.3f}" if held else "–"
+        tuned = calibrated(held, calibration)
+        after = f"{metrics(held).ece:.3f} → {metrics(tuned).ece:.3f}" if held else "–"
+        floor = f"{ece_floor([max(r.probabilities) for r in tuned]):.3f}" if held else "–"
         flips = "–" if m.flip_rate is None else f"{m.flip_rate:.0%}"
         lines.append(f"| {name} | {m.n} | {m.accuracy:.3f} | {m.ece:.3f} | {m.brier:.3f} | {flips} | {after} "
                      f"| {floor} |")
