@@ -72,6 +72,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         try:
             yield
         finally:
+            await app.state.services.queue.close()
             await waiter.stop()
             await redis.aclose()
 

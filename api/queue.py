@@ -19,6 +19,7 @@ from arq.jobs import serialize_job
 from redis.exceptions import RedisError
 
 from api.errors import NoWorker, Overloaded, QueueUnavailable
+from common.background import BackgroundWork
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.queue import keys
 from common.queue.membership import WorkerInfo, fleet
@@ -87,7 +88,7 @@ class JobQueue:
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
-        self._forgetting: set[asyncio.Task[None]] = set()  # sync records being dropped after their answer
+        self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
@@ -147,14 +148,12 @@ class JobQueue:
 
     def _forget_later(self, job_id: str) -> None:
         """Drop a sync job's record in the background; if Redis fails, it expires SYNC_KEEP s after its end."""
-        task = asyncio.create_task(self.store.forget(job_id))
-        self._forgetting.add(task)
-        task.add_done_callback(self._forgotten)
+        self._forgetting.start(self.store.forget(job_id),
+                               f"could not drop sync job {job_id}'s record; it expires within {SYNC_KEEP} s")
 
-    def _forgotten(self, task: asyncio.Task[None]) -> None:
-        self._forgetting.discard(task)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            log.warning("could not drop a sync job's record (%r); it expires within %d s", error, SYNC_KEEP)
+    async def close(self) -> None:
+        """Stop dropping records (each expires on its own SYNC_KEEP s after its job's end)."""
+        await self._forgetting.close()
 
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return once the async job `job_id` has ended or is gone, or after `timeout` seconds."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -18,9 +19,13 @@ from typing import Any
 import httpcore
 import orjson
 
+from common.background import BackgroundWork
 from worker.engine_http import TRANSPORT_ERRORS, EngineHttp, TimeoutException, header
 
+log = logging.getLogger("openjev.worker")
+
 DEFAULT_MAX_ANSWER_BYTES = 1024 * 1024
+
 # A full-vocabulary log-probability is <= 0; float rounding in the engine's log_softmax may go a hair above.
 LOGPROB_CEILING = 1e-3
 
@@ -91,7 +96,7 @@ class EngineClient:
         self._http = EngineHttp(base_url, headers, max_connections=max_connections)
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self.max_answer_bytes = max_answer_bytes
-        self._repeats: set[asyncio.Task[None]] = set()  # aborts being sent again
+        self._repeats = BackgroundWork(log)  # aborts being sent again
         self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
         self.in_flight = 0  # calls sent and not answered yet
 
@@ -102,9 +107,7 @@ class EngineClient:
         return time.monotonic() if self.in_flight else self.last_answer_at
 
     async def close(self) -> None:
-        for task in self._repeats:
-            task.cancel()
-        await asyncio.gather(*self._repeats, return_exceptions=True)
+        await self._repeats.close()
         await self._http.aclose()
 
     async def warm(self, prefix: SharedPrefix, rid: str, timeout: float) -> GenerateResult:
@@ -146,9 +149,7 @@ class EngineClient:
         request is sent now and again in the background (`ABORT_REPEATS`), in case the engine had
         not registered the call yet."""
         await self._send_abort(rid)
-        repeat = asyncio.create_task(self._repeat_abort(rid))
-        self._repeats.add(repeat)
-        repeat.add_done_callback(self._repeats.discard)
+        self._repeats.start(self._repeat_abort(rid), f"repeating the abort of {rid} failed")
 
     async def _send_abort(self, rid: str) -> None:
         with contextlib.suppress(*TRANSPORT_ERRORS, TimeoutException):
