@@ -299,9 +299,10 @@ def labelled(records: Sequence[Record]) -> list[LabelledAnswer]:
 # --- the report -------------------------------------------------------------------------------------
 
 
-def report(records: list[Record], title: str) -> tuple[str, Calibration]:
-    """A markdown report of `records`, and the calibration fitted on their fit split."""
-    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]))
+def report(records: list[Record], title: str, by_options: bool = False) -> tuple[str, Calibration]:
+    """A markdown report of `records`, and the calibration fitted on their fit split (with `by_options`,
+    also one temperature per option count that has enough answers, as `openjev calibrate --by-options`)."""
+    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]), by_options=by_options)
     held_out = [r for r in records if r.split == "held_out"]
     groups = {name: [r for r in records if r.set == name] for name in SETS}
     groups = {name: group for name, group in groups.items() if group}
@@ -329,8 +330,14 @@ def report(records: list[Record], title: str) -> tuple[str, Calibration]:
               f"p90 {sorted(seconds)[int(0.9 * (len(seconds) - 1))]:.2f} s; mean input tokens {tokens:.0f}, "
               f"mean output tokens {statistics.fmean(r.output_tokens for r in records):.2f}.",
               "Fitted temperatures (fit split): "
-              + ", ".join(f"{kind} {t.temperature:g}" for kind, t in calibration.temperatures.items()) + "."]
+              + ", ".join(f"{kind} {t.temperature:g}" + _buckets(t.by_options)
+                          for kind, t in calibration.temperatures.items()) + "."]
     return "\n".join(lines) + "\n", calibration
+
+
+def _buckets(by_options: dict[int, float]) -> str:
+    inner = ", ".join(f"{count} options {t:g}" for count, t in by_options.items())
+    return f" ({inner})" if inner else ""
 
 
 def _shares(shares: dict[str, float]) -> str:
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {len(records)} requests in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         with (out / "records.jsonl").open("w") as f:
             f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
-    text, calibration = report(records, args.title or out.name)
+    text, calibration = report(records, args.title or out.name, args.by_options)
     (out / "report.md").write_text(text)
     (out / "calibration.json").write_text(calibration.model_dump_json(indent=2) + "\n")
     print(text)
@@ -380,6 +387,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--key-env", metavar="VAR", help="the environment variable holding the API key")
     parser.add_argument("--out", type=Path, required=True, help="folder for records.jsonl, report.md, calibration.json")
     parser.add_argument("--title", help="the report's heading (default: the --out folder's name)")
+    parser.add_argument("--by-options", action="store_true",
+                        help="fit one temperature per option count too (buckets of at least 30 fit answers)")
     parser.add_argument("--report-only", action="store_true", help="recompute the report from --out/records.jsonl")
     return parser
 

@@ -14,6 +14,7 @@ from bench.quality import (
     expected_calibration_error,
     load_items,
     metrics,
+    report,
     request_body,
 )
 from common.calibration import Calibration, TypeTemperatures
@@ -57,6 +58,19 @@ def test_calibrated_records_use_the_temperature_of_their_question_type() -> None
     sharpened = calibrated(TINY, calibration)
     assert sharpened[2].probabilities == pytest.approx([0.0, 0.0, 1.0, 0.0], abs=1e-6)
     assert sharpened[0].probabilities == TINY[0].probabilities  # noul not fitted
+
+
+def test_the_report_fits_a_temperature_per_option_count_only_when_asked() -> None:
+    # 30 fit answers each: three-option ones right at 0.9, four-option ones wrong half the time at 0.9.
+    three = [record("choice", i, 0, 0, [0.9, 0.05, 0.05]) for i in range(30)]
+    four = [record("choice", 30 + i, 0, i % 2, [0.9, 0.04, 0.03, 0.03]) for i in range(30)]
+    text, plain = report([*three, *four], "tiny")
+    assert plain.temperatures["choice"].by_options == {}
+    text, split = report([*three, *four], "tiny", by_options=True)
+    buckets = split.temperatures["choice"].by_options
+    assert set(buckets) == {3, 4}
+    assert buckets[3] < 1 < buckets[4]  # sharpen the always-right bucket, flatten the half-wrong one
+    assert f"3 options {buckets[3]:g}" in text
 
 
 def test_sets_load_from_the_installed_package_with_a_fixed_seed() -> None:
