@@ -6,6 +6,7 @@ machine's load hits both alike. Medians of the rounds; ratios are new / baseline
 
     uv run --extra cpu --extra dev python -m bench.cpu_cost [--baseline REV] [--rounds 3] [--unbatched]
     uv run --extra cpu --extra dev python -m bench.cpu_cost --idle-floor [--rounds 3] [--idle-seconds 20]
+        [--awake-cores]
 
 Scenarios: the README example at concurrency 1, 16 and 64; 1/4/16/64 questions and 100/1000/8000-token
 states at concurrency 16 (per-question and per-1k-state-token slopes from them); and each stack at rest.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST
 from openjev.embedded_redis import free_port, start_redis
 from tests.conftest import model_cache_dir
@@ -194,11 +197,38 @@ def measure(stack: Stack, scenario: Scenario) -> Sample:
     return Sample(cpu, scenario.requests / wall)
 
 
+def run_seconds(pid: int) -> float:
+    """Time a process's live threads have spent on a CPU so far, to the nanosecond (/proc/PID/task/*/schedstat):
+    finer than /proc/PID/stat's 10 ms ticks for the few CPU-ms a process at rest uses."""
+    total = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            total += int(schedstat.read_text().split()[0])
+    return total / 1e9
+
+
+def wakeups(pid: int) -> int:
+    """How often a process's threads have slept and been woken so far (voluntary context switches)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
+                         if line.startswith("voluntary_ctxt_switches:"))
+    return total
+
+
+def at_rest(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU-ms per second and wake-ups per second of each named process over the next `seconds`."""
+    before = {name: (run_seconds(pid), wakeups(pid)) for name, pid in pids.items()}
+    time.sleep(seconds)
+    cpu = {name: (run_seconds(pid) - before[name][0]) * 1000 / seconds for name, pid in pids.items()}
+    woken = {name: (wakeups(pid) - before[name][1]) / seconds for name, pid in pids.items()}
+    return cpu, woken
+
+
 def cpu_ms_per_second(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """CPU-ms per second of each named process over the next `seconds`."""
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    time.sleep(seconds)
-    return {name: (cpu_seconds(pid) - before[name]) * 1000 / seconds for name, pid in pids.items()}
+    return at_rest(pids, seconds)[0]
 
 
 def idle_ms_per_second(stack: Stack, seconds: float) -> dict[str, float]:
@@ -218,23 +248,28 @@ TICKING_LOOP = ("import asyncio\nasync def main():\n    while True:\n        awa
                 "asyncio.run(main())")
 
 
-def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float) -> list[str]:
+def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awake: bool = False) -> list[str]:
     """This checkout at rest with liveness trimmed one way at a time and all at once, beside what a bare
-    uvicorn and a bare asyncio loop waking ten times a second cost on this machine."""
+    uvicorn and a bare asyncio loop waking ten times a second cost on this machine; with `awake`, each
+    window is measured beside one nice-19 busy loop per core (bench/awake.py)."""
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
     variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
                 Stack("arq poll 5 s (default 1)", ROOT, sys.executable, poll),
                 Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
                 Stack("Redis hz 1 (default 10)", ROOT, sys.executable, redis_hz=1),
                 Stack("all three", ROOT, sys.executable, {**poll, **probe}, redis_hz=1)]
-    lines = ["| at rest | API | worker | Redis | total CPU-ms per second |", "|---|---|---|---|---|"]
+    lines = ["| at rest | API | worker | Redis | total CPU-ms per second | wake-ups per second (API, worker, Redis) "
+             "| CPU-ms per wake-up |", "|---|---|---|---|---|---|---|"]
     for stack in variants:
         with running_stack(stack, model_dir, log_dir) as running:
             time.sleep(3)  # past start-up
-            found = [idle_ms_per_second(running, seconds) for _ in range(rounds)]
-        rest = {name: statistics.median(r[name] for r in found) for name in MEASURED}
+            with awake_cores(awake):
+                found = [at_rest({name: running.pids[name] for name in MEASURED}, seconds) for _ in range(rounds)]
+        rest = {name: statistics.median(cpu[name] for cpu, _ in found) for name in MEASURED}
+        woken = {name: statistics.median(w[name] for _, w in found) for name in MEASURED}
         lines.append(f"| {stack.name} | {rest['api']:.2f} | {rest['worker']:.2f} | {rest['redis']:.2f} | "
-                     f"{sum(rest.values()):.2f} |")
+                     f"{sum(rest.values()):.2f} | {sum(woken.values()):.1f} ({woken['api']:.1f}, "
+                     f"{woken['worker']:.1f}, {woken['redis']:.1f}) | {_per(rest, woken)} |")
         print(lines[-1], file=sys.stderr, flush=True)
     port = free_port()
     for name, argv in (("a bare uvicorn (no-op app)", [sys.executable, "-m", "uvicorn", "bench.cpu_cost:noop_app",
@@ -243,14 +278,22 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float) -> l
         process = spawn(ROOT, log_dir, "floor", argv, {})
         try:
             time.sleep(3)
-            found = [cpu_ms_per_second({name: process.pid}, seconds)[name] for _ in range(rounds)]
+            with awake_cores(awake):
+                found = [at_rest({name: process.pid}, seconds) for _ in range(rounds)]
         finally:
             process.terminate()
             process.wait(10)
-        lines.append(f"| {name} | {statistics.median(found):.2f} | | | {statistics.median(found):.2f} |")
+        cpu, woken = (statistics.median(f[i][name] for f in found) for i in (0, 1))
+        lines.append(f"| {name} | {cpu:.2f} | | | {cpu:.2f} | {woken:.1f} | {_per({name: cpu}, {name: woken})} |")
     lines.append("")
-    lines.append(f"medians of {rounds} windows of {seconds:g} s; CPU from /proc/PID/stat (10 ms ticks)")
+    lines.append(f"medians of {rounds} windows of {seconds:g} s; CPU from /proc/PID/task/*/schedstat (ns)"
+                 + ("; every core kept awake by a nice-19 busy loop" if awake else ""))
     return lines
+
+
+def _per(cpu: dict[str, float], woken: dict[str, float]) -> str:
+    total = sum(woken.values())
+    return f"{sum(cpu.values()) / total:.2f}" if total else "–"
 
 
 def noul_questions(count: int) -> dict:
@@ -341,6 +384,8 @@ def main() -> int:
     parser.add_argument("--idle-floor", action="store_true",
                         help="only this checkout at rest, with liveness trimmed (poll, probe, Redis hz), beside a "
                              "bare uvicorn and a bare 10 Hz asyncio loop")
+    parser.add_argument("--awake-cores", action="store_true",
+                        help="with --idle-floor: measure beside one nice-19 busy loop per core (bench/awake.py)")
     parser.add_argument("--unbatched", action="store_true",
                         help="also run this checkout with OPENJEV_BRANCH_BATCH_SIZE=1 (one call per branch)")
     args = parser.parse_args()
@@ -350,7 +395,7 @@ def main() -> int:
     model_dir = ensure_converted(model_cache_dir())
     log_dir = Path(tempfile.mkdtemp(prefix="openjev-cpu-cost-"))
     if args.idle_floor:
-        print("\n".join(idle_floor(model_dir, log_dir, args.rounds, args.idle_seconds)), flush=True)
+        print("\n".join(idle_floor(model_dir, log_dir, args.rounds, args.idle_seconds, args.awake_cores)), flush=True)
         return 0
     found = [] if args.idle_only else scenarios(model_dir, args.quick)
     with ExitStack() as resources:

@@ -3,11 +3,15 @@ process, straight to the engine) and through the queue (Redis + arq + a real wor
 completion pushed back), against the same engine, in the same run, interleaved.
 
     uv run --extra cpu --extra dev python -m bench.queue_latency [--engine scripted|cpu] [--requests 200]
-        [--poll-delay 0.5] [--no-wakeups]
+        [--poll-delay 0.5] [--no-wakeups] [--trace 100] [--awake-cores]
 
 Prints p50/p99 per path and the difference at concurrency 1 and 16, then what the worker costs while
 idle (arq's poll every poll_delay, heartbeats, health probes): CPU of the worker process and of Redis
 over 10 s with no job. `--no-wakeups` leaves the worker to arq's poll alone (OPENJEV_WORKER_WAKEUPS=false).
+`--trace N` then follows N more jobs at concurrency 1 through Redis's MONITOR and prints where each one's
+time went, stage by stage, on Redis's clock (MONITOR itself slows Redis a little; the hop above is measured
+without it). `--awake-cores` runs the measurements (not the idle figure) beside one nice-19 busy loop per
+core, so no core halts while a process waits (bench/awake.py).
 Figures: bench/RESULTS.md.
 """
 
@@ -23,12 +27,15 @@ import time
 from pathlib import Path
 
 from arq.connections import RedisSettings, create_pool
+from redis.asyncio import Redis
 
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
+from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
+from common.queue import keys
 from common.queue.membership import live_workers
 from common.queue.records import JobStore
 from common.settings import Settings
@@ -112,10 +119,96 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
             breakdown = (f"where the hop goes at concurrency 1 (medians, clocks of one machine): submit + pickup "
                          f"{to_worker:.2f} ms, worker besides the engine {in_worker:.2f} ms, completion to the "
                          f"waiting request {back:.2f} ms")
+    await queue.close()
     await waiter.stop()
     await engine.close()
     await redis.aclose()
     return [*lines, "", breakdown]
+
+
+TRACE_STAGES = [  # (name, the event that ends it); each starts where the one before ended
+    ("the API places the job (serialise, send)", "placed"),
+    ("placement script, to its wake-up", "woken"),
+    ("wake-up delivered, worker calls arq's start_jobs", "claim"),
+    ("arq's claim (WATCH, EXISTS, ZSCORE, MULTI/EXEC)", "claimed"),
+    ("arq starts the job's task", "read"),
+    ("arq reads the job and calls evaluate", "start"),
+    ("start script, evaluation (engine calls), outcome", "store"),
+    ("store script, to its notice", "notice"),
+    ("notice delivered, the waiting request answers", "answered"),
+]
+
+
+def job_events(job_id: str, commands: list[tuple[float, str, str]]) -> dict[str, float]:
+    """When each traced event of `job_id` happened: (time, client, command) as MONITOR reported them."""
+    events: dict[str, float] = {}
+    for at, client, command in commands:
+        if job_id not in command:
+            continue
+        if "placed" not in events:
+            events["placed"] = at
+        elif client == "lua" and command.startswith("PUBLISH") and keys.WAKE_SUFFIX in command:
+            events.setdefault("woken", at)
+        elif command.startswith("WATCH arq:in-progress:"):
+            events.setdefault("claim", at)
+        elif command.startswith("PSETEX arq:in-progress:"):
+            events.setdefault("claimed", at)
+        elif command.startswith("GET arq:job:"):
+            events.setdefault("read", at)
+        elif client != "lua" and command.startswith("EVALSHA") and "claimed" in events:
+            events.setdefault("start" if "start" not in events else "store", at)
+        elif client == "lua" and command.startswith("PUBLISH " + keys.DONE_CHANNEL):
+            events.setdefault("notice", at)
+    return events
+
+
+async def trace(redis_url: str, preparer: JobPreparer, jobs: int) -> list[str]:
+    """`jobs` sync jobs one after another, followed through MONITOR: the median of each stage."""
+    redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
+    waiter = CompletionWaiter(redis)
+    await waiter.start()
+    queue = JobQueue(redis, JobStore(redis, 600), waiter)
+    request = SystemOneRequest.model_validate(EXAMPLE_REQUEST)
+    commands: list[tuple[float, str, str]] = []
+    monitoring = Redis.from_url(redis_url)
+
+    async def follow() -> None:
+        async with monitoring.monitor() as monitor:
+            async for command in monitor.listen():
+                commands.append((command["time"], command["client_address"], command["command"]))
+
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(0.5)
+    marks: list[tuple[str, float, float]] = []
+    for _ in range(jobs):
+        job = preparer.prepare(request, "req_trace", 60)
+        submitted = time.time()
+        await queue.run(job, 60)
+        marks.append((job.id, submitted, time.time()))
+    await asyncio.sleep(0.5)
+    follower.cancel()
+    await queue.close()
+    await waiter.stop()
+    await redis.aclose()
+    await monitoring.aclose()
+    durations: dict[str, list[float]] = {name: [] for name, _ in TRACE_STAGES}
+    for job_id, submitted, answered in marks:
+        events = job_events(job_id, commands) | {"answered": answered}
+        if any(event not in events for _, event in TRACE_STAGES):
+            continue  # a job whose trace is incomplete (MONITOR joined late) is left out
+        previous = submitted
+        for name, event in TRACE_STAGES:
+            durations[name].append((events[event] - previous) * 1000)
+            previous = events[event]
+    followed = len(durations[TRACE_STAGES[0][0]])
+    lines = [f"where a job's time goes at concurrency 1, {followed} of {jobs} jobs followed through MONITOR "
+             "(medians, ms, Redis's clock and the bench's, one machine):", "",
+             "| stage | median ms |", "|---|---|"]
+    lines += [f"| {name} | {statistics.median(values):.2f} |" for name, values in durations.items() if values]
+    if followed:
+        total = statistics.median(answered - submitted for _, submitted, answered in marks) * 1000
+        lines.append(f"| whole request (median) | {total:.2f} |")
+    return lines
 
 
 def cpu_seconds(pid: int) -> float:
@@ -141,6 +234,10 @@ def main() -> int:
                         help="the worker's OPENJEV_WORKER_POLL_DELAY (arq's poll_delay), seconds")
     parser.add_argument("--wakeups", action=argparse.BooleanOptionalAction, default=True,
                         help="the worker's OPENJEV_WORKER_WAKEUPS (default on)")
+    parser.add_argument("--awake-cores", action="store_true",
+                        help="measure beside one nice-19 busy loop per core, so no core halts (bench/awake.py)")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="then follow N jobs through Redis's MONITOR, stage by stage (default 0: none)")
     args = parser.parse_args()
 
     from worker.cpu_engine.model import ensure_converted
@@ -158,14 +255,19 @@ def main() -> int:
                                     "OPENJEV_WORKER_WAKEUPS": str(args.wakeups).lower()}, engine.url or "", "bench-0")
     try:
         preparer = JobPreparer(settings, PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir))))
-        lines = asyncio.run(bench(engine.url or "", redis_url, settings, preparer, args.requests))
+        with awake_cores(args.awake_cores):
+            lines = asyncio.run(bench(engine.url or "", redis_url, settings, preparer, args.requests))
         lines.append(idle_cost(worker.process.pid, redis_process.pid))
+        if args.trace:
+            with awake_cores(args.awake_cores):
+                lines += ["", *asyncio.run(trace(redis_url, preparer, args.trace))]
     finally:
         worker.stop()
         engine.stop()
         redis_process.terminate()
     print(f"engine: {args.engine}; {args.requests} requests per path and concurrency; example request (3 questions);"
-          f" worker poll delay {args.poll_delay:g} s, wake-ups {'on' if args.wakeups else 'off'}")
+          f" worker poll delay {args.poll_delay:g} s, wake-ups {'on' if args.wakeups else 'off'}"
+          f"{'; cores kept awake' if args.awake_cores else ''}")
     print("\n".join(lines))
     return 0
 
