@@ -98,3 +98,22 @@ def test_serve_refuses_a_model_it_cannot_run_before_starting_anything(args: list
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+@pytest.mark.integration
+def test_a_bfloat16_model_projects_its_logits_in_float32_off_the_bfloat16_grid(model_dir: Path) -> None:
+    import torch
+
+    from worker.cpu_engine.head import Float32Head
+    from worker.cpu_engine.model import load_model
+
+    bf16, f32 = load_model(model_dir, dtype="bfloat16"), load_model(model_dir, dtype="float32")
+    assert isinstance(bf16.model.get_output_embeddings(), Float32Head)
+    assert bf16.model.get_input_embeddings().weight.dtype == torch.bfloat16  # only the projection is float32
+    ids = bf16.tokenizer("The capital of France is").input_ids
+    got, _ = bf16.forward(ids, None)
+    want, _ = f32.forward(ids, None)
+    # bfloat16 logits would all sit on its 8-bit grid; projected in float32 almost none do
+    on_grid = (got.bfloat16().float() == got).float().mean().item()
+    assert on_grid < 0.01
+    assert int(got.argmax()) == int(want.argmax())
