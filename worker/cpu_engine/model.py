@@ -316,7 +316,7 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
 
     `threads`: torch intra-op threads; default, every CPU this process may run on. `dtype`: float32,
     bfloat16, or auto (`_preferred_dtype`: bfloat16 only where the CPU has bf16 instructions); a bfloat16
-    model projects its logits in float32 (worker/cpu_engine/head.py).
+    model's largest logits are computed again in float32 (worker/cpu_engine/head.py).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -327,9 +327,9 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
         dtype = _preferred_dtype()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     if dtype == "bfloat16":
-        from worker.cpu_engine.head import project_in_float32
+        from worker.cpu_engine.head import refine_logits
 
-        project_in_float32(model)  # logits on a bfloat16 grid would tie labels that differ (head.py)
+        refine_logits(model)  # logits on a bfloat16 grid would tie labels that differ (head.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     loaded = LoadedModel(model, tokenizer, Path(model_dir), served_name or Path(model_dir).name,
                          _cache_argument(model))
