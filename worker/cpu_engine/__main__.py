@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from common.settings import Settings
 from worker.cpu_engine.server import DEFAULT_CACHE_TOKENS, run
 
 
@@ -21,13 +22,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to sleep, abortably, per prompt before its compute (tests)")
     parser.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS,
                         help="prefix KV cache capacity in tokens (about 46 KB each for SmolLM2-135M)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=Settings().cpu_dtype,
+                        help="compute dtype (default: OPENJEV_CPU_DTYPE, else auto: bfloat16 on CPUs with bf16 "
+                             "instructions, float32 elsewhere)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and serve until interrupted."""
     args = parse_args(argv)
-    run(args.host, args.port, args.model, args.cache_dir, args.compute_delay, args.cache_tokens)
+    run(args.host, args.port, args.model, args.cache_dir, args.compute_delay, args.cache_tokens, args.dtype)
 
 
 if __name__ == "__main__":
