@@ -5,6 +5,7 @@ chat template is refused."""
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,8 @@ def test_streamed_conversion_gives_the_logits_of_transformers_own_gguf_loader(tm
     assert torch.allclose(got, want, atol=0.05, rtol=0)
     assert got.topk(5).indices.tolist() == want.topk(5).indices.tolist()
     assert AutoTokenizer.from_pretrained(converted).chat_template  # the GGUF's own template, kept
+    # SGLang reads the converted directory and refuses a config that does not name its model class
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 @pytest.mark.parametrize(("args", "message"), [

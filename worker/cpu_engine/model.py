@@ -226,9 +226,20 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         _write_streamed(reader, architecture, config, out_dir)
     else:
         _write_whole(gguf_path, out_dir)
+    config.architectures = config.architectures or [_causal_lm_class(config)]
     config.save_pretrained(out_dir)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
+
+
+def _causal_lm_class(config: PretrainedConfig) -> str:
+    """The model class transformers builds for `config`: a config read from a GGUF leaves `architectures`
+    empty, and SGLang (which reads the converted directory) refuses a config without it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # no weights
+        return type(AutoModelForCausalLM.from_config(config)).__name__
 
 
 def _write_streamed(reader: GGUFReader, architecture: str, config: PretrainedConfig, out_dir: Path) -> None:
