@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from arq.connections import RedisSettings, create_pool
@@ -32,6 +33,7 @@ from redis.asyncio import Redis
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from bench.awake import awake_cores
+from bench.cpu_cost import cpu_seconds
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
@@ -68,11 +70,28 @@ async def measure(concurrency: int, requests: int, run_one) -> list[float]:
     return latencies
 
 
-async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: JobPreparer, requests: int) -> list[str]:
+@contextlib.asynccontextmanager
+async def queue_client(redis_url: str) -> AsyncIterator[JobQueue]:
+    """What POST /v1/systemone places jobs with: a JobQueue with its completion waiter, closed after."""
     redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
     waiter = CompletionWaiter(redis)
     await waiter.start()
     queue = JobQueue(redis, JobStore(redis, 600), waiter)
+    try:
+        yield queue
+    finally:
+        await queue.close()
+        await waiter.stop()
+        await redis.aclose()
+
+
+async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: JobPreparer, requests: int) -> list[str]:
+    async with queue_client(redis_url) as queue:
+        return await _bench(engine_url, queue, settings, preparer, requests)
+
+
+async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer: JobPreparer,
+                 requests: int) -> list[str]:
     engine = EngineClient(engine_url, max_connections=128)
     slots = BranchSlots(settings.max_concurrent_branches)
     request = SystemOneRequest.model_validate(EXAMPLE_REQUEST)
@@ -94,7 +113,7 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
         stages.append((picked - submitted, outcome.finished_at - picked - t.prefill - t.branches,
                        answered - outcome.finished_at))
 
-    while not await live_workers(redis):
+    while not await live_workers(queue.redis):
         await asyncio.sleep(0.2)
     for _ in range(5):  # warm both paths (connections, engine cache)
         await direct()
@@ -119,10 +138,7 @@ async def bench(engine_url: str, redis_url: str, settings: Settings, preparer: J
             breakdown = (f"where the hop goes at concurrency 1 (medians, clocks of one machine): submit + pickup "
                          f"{to_worker:.2f} ms, worker besides the engine {in_worker:.2f} ms, completion to the "
                          f"waiting request {back:.2f} ms")
-    await queue.close()
-    await waiter.stop()
     await engine.close()
-    await redis.aclose()
     return [*lines, "", breakdown]
 
 
@@ -164,10 +180,6 @@ def job_events(job_id: str, commands: list[tuple[float, str, str]]) -> dict[str,
 
 async def trace(redis_url: str, preparer: JobPreparer, jobs: int) -> list[str]:
     """`jobs` sync jobs one after another, followed through MONITOR: the median of each stage."""
-    redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
-    waiter = CompletionWaiter(redis)
-    await waiter.start()
-    queue = JobQueue(redis, JobStore(redis, 600), waiter)
     request = SystemOneRequest.model_validate(EXAMPLE_REQUEST)
     commands: list[tuple[float, str, str]] = []
     monitoring = Redis.from_url(redis_url)
@@ -180,16 +192,14 @@ async def trace(redis_url: str, preparer: JobPreparer, jobs: int) -> list[str]:
     follower = asyncio.create_task(follow())
     await asyncio.sleep(0.5)
     marks: list[tuple[str, float, float]] = []
-    for _ in range(jobs):
-        job = preparer.prepare(request, "req_trace", 60)
-        submitted = time.time()
-        await queue.run(job, 60)
-        marks.append((job.id, submitted, time.time()))
+    async with queue_client(redis_url) as queue:
+        for _ in range(jobs):
+            job = preparer.prepare(request, "req_trace", 60)
+            submitted = time.time()
+            await queue.run(job, 60)
+            marks.append((job.id, submitted, time.time()))
     await asyncio.sleep(0.5)
     follower.cancel()
-    await queue.close()
-    await waiter.stop()
-    await redis.aclose()
     await monitoring.aclose()
     durations: dict[str, list[float]] = {name: [] for name, _ in TRACE_STAGES}
     for job_id, submitted, answered in marks:
@@ -209,12 +219,6 @@ async def trace(redis_url: str, preparer: JobPreparer, jobs: int) -> list[str]:
         total = statistics.median(answered - submitted for _, submitted, answered in marks) * 1000
         lines.append(f"| whole request (median) | {total:.2f} |")
     return lines
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def idle_cost(worker_pid: int, redis_pid: int, seconds: float = 10.0) -> str:
