@@ -42,7 +42,7 @@ class FrontDoorLimits:
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """The keyword arguments for `uvicorn.run` that put the front door in place."""
+    """The keyword arguments for `uvicorn.Config` that put the front door in place."""
     limits = FrontDoorLimits.from_settings(settings)
     return {"http": functools.partial(FrontDoor, limits=limits, open_connections=OpenConnections()),
             "timeout_keep_alive": settings.keep_alive_timeout}

@@ -1,4 +1,4 @@
-"""ASGI middleware: a request id and JSON on every response (500s included), and the request
+"""ASGI middleware: a request id, a Date and JSON on every response (500s included), and the request
 body gate (read timeout, size limit on the decompressed bytes, zstd and gzip bodies, strict JSON)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
+from email.utils import formatdate
 from typing import Any
 
 import orjson
@@ -29,6 +30,21 @@ REQUEST_ID_HEADER = b"x-typesafe-request-id"
 QUIET_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # probes: no log line per call
 
 
+class HttpDate:
+    """The `Date` header's value (RFC 9110: an origin server with a clock sends one), formatted at most
+    once a second, when a response asks for it: the server has no timer of its own (api/server.py)."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
+
+    def now(self) -> bytes:
+        second = int(time.time())
+        if second != self.second:
+            self.second, self.value = second, formatdate(second, usegmt=True).encode()
+        return self.value
+
+
 def error_body(error_type: str, message: str) -> bytes:
     return orjson.dumps({"detail": {"error_type": error_type, "message": message}})
 
@@ -40,11 +56,12 @@ async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[by
 
 
 class RequestContext:
-    """Gives every request an id, stamps it on every response, and turns an unhandled error into
-    a JSON 500 that still carries the id (the official SDK raises on a response without it)."""
+    """Gives every request an id, stamps it and the date on every response, and turns an unhandled
+    error into a JSON 500 that still carries the id (the official SDK raises on a response without it)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.date = HttpDate()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,7 +77,8 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())]
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode()),
+                                      (b"date", self.date.now())]
             await send(message)
 
         try:

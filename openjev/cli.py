@@ -153,14 +153,13 @@ def _smoke(args: argparse.Namespace) -> int:
 
 
 def _api(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from api import server
     from api.app import create_app
     from api.front_door import uvicorn_options
 
     settings = get_settings()
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5, **uvicorn_options(settings))
+    server.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+               timeout_graceful_shutdown=5, **uvicorn_options(settings))
     return 0
 
 

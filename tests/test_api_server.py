@@ -1,0 +1,68 @@
+"""The API's HTTP server (api/server.py): uvicorn's Server without its 10 Hz tick. At rest the process
+sleeps until a request or a signal; responses still carry a current Date; SIGTERM and SIGINT still shut
+it down gracefully."""
+
+from __future__ import annotations
+
+import signal
+import time
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Stack, stack_env
+from tests.processes import Proc, start_api
+from tests.redis_servers import fresh_redis
+
+AT_REST_SECONDS = 3.0
+
+
+def wake_ups(pid: int) -> int:
+    """Voluntary context switches of all of a process's threads: how often it went to sleep and woke."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        for line in status.read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_the_api_process_sleeps_at_rest(scripted_stack: Stack) -> None:
+    """uvicorn's own main loop wakes ten times a second (30 in this window); ours only for work."""
+    assert scripted_stack.post({"model": "jev-latest", "state": "hi", "questions": {
+        "q": {"type": "noul", "instructions": "Is this a greeting?"}}}).status_code == 200
+    pid = scripted_stack.api.process.pid
+    time.sleep(0.5)  # past the request's own wake-ups (its connection's close, the log line)
+    before = wake_ups(pid)
+    time.sleep(AT_REST_SECONDS)
+    woken = wake_ups(pid) - before
+    assert woken <= AT_REST_SECONDS * 2, f"the API woke {woken} times in {AT_REST_SECONDS} s at rest"
+
+
+def test_every_response_carries_one_current_date(scripted_stack: Stack) -> None:
+    """The Date is the app's, formatted when a response asks for it (nothing refreshes it at rest)."""
+    dates = []
+    for path in ("/health/live", "/v1/nothing-here", "/health/live"):
+        response = httpx.get(f"{scripted_stack.api.url}{path}", timeout=10)
+        assert len(response.headers.get_list("date")) == 1, response.headers
+        assert "server" not in response.headers
+        sent = parsedate_to_datetime(response.headers["date"]).timestamp()
+        assert abs(sent - time.time()) < 2.5
+        dates.append(sent)
+        time.sleep(1.1)
+    assert dates[0] < dates[1] < dates[2]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_api_gracefully(signum: int, model_dir: Path, log_dir: Path) -> None:
+    with fresh_redis() as redis_url:
+        api: Proc = start_api(log_dir, stack_env(redis_url, model_dir), wait_ready=False)
+        try:
+            assert httpx.get(f"{api.url}/health/live", timeout=10).status_code == 200
+            started = time.monotonic()
+            assert api.stop(signum, timeout=15) == 0, api.output()[-4000:]
+            assert time.monotonic() - started < 10
+        finally:
+            api.kill()
