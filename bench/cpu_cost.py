@@ -55,7 +55,7 @@ class Stack:
     root: Path
     python: str  # the interpreter of the environment the stack's code runs in
     env: dict[str, str] = field(default_factory=dict)  # settings of this stack only
-    redis_hz: int | None = None  # Redis's `hz` (its background timer, 10 by default), set after it starts
+    redis_hz: int | None = None  # Redis's `hz` (its background timer; serve's Redis runs 1), set after it starts
     url: str = ""
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -244,20 +244,22 @@ async def noop_app(scope: dict, receive: Callable[[], Awaitable[dict]], send: Ca
         await send({"type": "lifespan.shutdown.complete"})
 
 
+QUIET_SERVER = ("import sys\nfrom api import server\nfrom bench.cpu_cost import noop_app\n"
+                "server.run(noop_app, port=int(sys.argv[1]), log_level='warning')")
 TICKING_LOOP = ("import asyncio\nasync def main():\n    while True:\n        await asyncio.sleep(0.1)\n"
                 "asyncio.run(main())")
 
 
 def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awake: bool = False) -> list[str]:
-    """This checkout at rest with liveness trimmed one way at a time and all at once, beside what a bare
-    uvicorn and a bare asyncio loop waking ten times a second cost on this machine; with `awake`, each
+    """This checkout at rest, with Redis's default timer and with liveness trimmed, beside what a bare
+    uvicorn, the API's server and a bare asyncio loop waking ten times a second cost on this machine; with `awake`, each
     window is measured beside one nice-19 busy loop per core (bench/awake.py)."""
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
     variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
+                Stack("Redis hz 10 (Redis's default)", ROOT, sys.executable, redis_hz=10),
                 Stack("arq poll 5 s (default 1)", ROOT, sys.executable, poll),
                 Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
-                Stack("Redis hz 1 (default 10)", ROOT, sys.executable, redis_hz=1),
-                Stack("all three", ROOT, sys.executable, {**poll, **probe}, redis_hz=1)]
+                Stack("poll and probe 5 s", ROOT, sys.executable, {**poll, **probe})]
     lines = ["| at rest | API | worker | Redis | total CPU-ms per second | wake-ups per second (API, worker, Redis) "
              "| CPU-ms per wake-up |", "|---|---|---|---|---|---|---|"]
     for stack in variants:
@@ -274,6 +276,7 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awak
     port = free_port()
     for name, argv in (("a bare uvicorn (no-op app)", [sys.executable, "-m", "uvicorn", "bench.cpu_cost:noop_app",
                                                        "--port", str(port), "--log-level", "warning"]),
+                       ("the API's server (api/server.py, no-op app)", [sys.executable, "-c", QUIET_SERVER, str(port)]),
                        ("a bare asyncio loop waking every 0.1 s", [sys.executable, "-c", TICKING_LOOP])):
         process = spawn(ROOT, log_dir, "floor", argv, {})
         try:
@@ -382,8 +385,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
     parser.add_argument("--idle-only", action="store_true", help="only the stacks at rest (no requests)")
     parser.add_argument("--idle-floor", action="store_true",
-                        help="only this checkout at rest, with liveness trimmed (poll, probe, Redis hz), beside a "
-                             "bare uvicorn and a bare 10 Hz asyncio loop")
+                        help="only this checkout at rest, with liveness trimmed (poll, probe) and Redis's default "
+                             "hz, beside a bare uvicorn, the API's own server and a bare 10 Hz asyncio loop")
     parser.add_argument("--awake-cores", action="store_true",
                         help="with --idle-floor: measure beside one nice-19 busy loop per core (bench/awake.py)")
     parser.add_argument("--unbatched", action="store_true",
@@ -400,7 +403,9 @@ def main() -> int:
     found = [] if args.idle_only else scenarios(model_dir, args.quick)
     with ExitStack() as resources:
         base_root = resources.enter_context(baseline_checkout(args.baseline))
-        wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"))]
+        # The baseline's Redis as it ran then: Redis's own timer (this checkout's serve runs it at 1 Hz).
+        wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"),
+                        redis_hz=10)]
         if args.unbatched:
             wanted.append(Stack("this, batch size 1", ROOT, sys.executable, {"OPENJEV_BRANCH_BATCH_SIZE": "1"}))
         wanted.append(Stack("this checkout", ROOT, sys.executable))

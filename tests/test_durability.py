@@ -171,12 +171,13 @@ def port_of(redis_title: str) -> int:
     return int(words[1].rsplit(":", 1)[1])
 
 
-def persistence(port: int, redis_dir: Path) -> dict[str, str]:
-    """The settings that make it durable, as the running server reports them (with its password)."""
+def server_settings(port: int, redis_dir: Path) -> dict[str, str]:
+    """The settings that make it durable, private and quiet at rest, as the running server reports them
+    (with its password)."""
     owner = redis.Redis(port=port, password=(redis_dir / "password").read_text().strip())
     try:
         return {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "protected-mode", "dir", "save",
-                                  "bind") for k, v in owner.config_get(name).items()}
+                                  "bind", "hz") for k, v in owner.config_get(name).items()}
     finally:
         owner.close()
 
@@ -222,7 +223,7 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
             assert time.monotonic() < deadline, "serve did not restart its Redis"
             time.sleep(0.1)
         assert port_of(serve_redis(served)[1]) == port  # in place: the same port, data directory and password
-        assert persistence(port, redis_dir)["dir"] == str(redis_dir)
+        assert server_settings(port, redis_dir)["dir"] == str(redis_dir)
 
         httpx.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
         response = answered(served)
@@ -266,9 +267,9 @@ def test_serves_redis_refuses_unauthenticated_commands_and_keeps_its_password_pr
         assert stat.S_IMODE((redis_dir / "password").stat().st_mode) == 0o600
         assert stat.S_IMODE(redis_dir.stat().st_mode) == 0o700
 
-        assert persistence(port, redis_dir) == {
+        assert server_settings(port, redis_dir) == {
             "appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction", "protected-mode": "yes",
-            "dir": str(redis_dir), "save": "", "bind": "127.0.0.1"}
+            "dir": str(redis_dir), "save": "", "bind": "127.0.0.1", "hz": "1"}
 
         second = start_serve_expecting_failure(log_dir, engine, model_dir, redis_dir)
         assert "another Redis runs on" in second  # one Redis per data directory, said plainly
