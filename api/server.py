@@ -2,13 +2,14 @@
 
 `uvicorn.run` spends the server's life in `Server.main_loop`, which sleeps 0.1 s at a time to look at
 `should_exit`. At rest those ten wake-ups a second were the API's whole idle cost and a third of the
-stack's (0.2-0.3 CPU-ms each on a 2-vCPU VM; bench/RESULTS-cpu.md). `serve` runs the same Server through
+stack's (0.2-0.45 CPU-ms each on a 2-vCPU VM; bench/RESULTS-cpu.md). `serve` runs the same Server through
 its public `startup` and `shutdown` and, in between, waits for SIGINT or SIGTERM through the event loop's
 signal handlers, so the process sleeps until a connection or a signal arrives.
 
 What the tick did besides: it refreshed the `Date` header once a second; the app stamps its own instead
-(`api.middleware.RequestContext`), so uvicorn's is switched off. Its `limit_max_requests` check is not
-used here. A second signal during the graceful shutdown stops waiting for open connections, as a second
+(`api.middleware.RequestContext`), so uvicorn's is switched off, and with it the `server: uvicorn`
+header (it told a client only which software answers). Its `limit_max_requests` check is not used
+here. A second signal during the graceful shutdown stops waiting for open connections, as a second
 Ctrl-C does under `uvicorn.run`.
 """
 
