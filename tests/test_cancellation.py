@@ -82,9 +82,10 @@ def test_a_deleted_async_job_stops_in_the_engine(slow_stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def tight_stack(model_dir, log_dir) -> Iterator[Stack]:
     """Its own Redis (so no other worker takes its jobs): one job at a time, a scripted engine,
-    short deadlines."""
+    short deadlines; arq's poll at its slowest, so a job queued behind another starts on its wake-up."""
     with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="5", OPENJEV_MAX_CONCURRENT_REQUESTS="1",
-                                 OPENJEV_MAX_CONCURRENT_BRANCHES="2", OPENJEV_JOB_TIMEOUT="2") as stack:
+                                 OPENJEV_MAX_CONCURRENT_BRANCHES="2", OPENJEV_JOB_TIMEOUT="2",
+                                 OPENJEV_WORKER_POLL_DELAY="5") as stack:
         yield stack
 
 

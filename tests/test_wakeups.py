@@ -4,6 +4,7 @@ jobs wake the worker; a worker that cannot hear wake-ups still runs every job, o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -41,6 +42,35 @@ def test_a_queued_job_starts_without_waiting_for_the_poll(slow_poll_stack: Stack
         waits.append(queue_ms(r))
     # On arq's poll alone each wait would be spread over 0–5000 ms (all five under 2 s: 1 % odds).
     assert max(waits) < 2000, waits
+
+
+def test_jobs_queued_behind_a_full_worker_start_as_slots_free_without_waiting_for_the_poll(
+        model_dir, log_dir) -> None:
+    """arq's `start_jobs` turns away a job when every slot is busy; the wake-up keeps it until one frees."""
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_WORKER_POLL_DELAY=SLOWEST_POLL,
+                                 OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
+        stack.script(delay=0.5)  # each job: a warm call and one branch, ~1 s
+        done: dict[str, float] = {}
+
+        def ask(name: str) -> None:
+            r = stack.post(body({"q": NOUL}, state=f"Ticket {name}: I was charged twice."), timeout=60)
+            assert r.status_code == 200, r.text
+            done[name] = time.monotonic()
+
+        first = threading.Thread(target=ask, args=("a",))
+        first.start()
+        deadline = time.monotonic() + 20
+        while not any(r.endswith(".warm") for r in stack.engine_stats()["received"]):
+            assert time.monotonic() < deadline, "the first job never reached the engine"
+            time.sleep(0.05)
+        queued = [threading.Thread(target=ask, args=(name,)) for name in ("b", "c")]
+        for thread in queued:
+            thread.start()
+            time.sleep(0.1)
+        for thread in (first, *queued):
+            thread.join()
+        # Each ~1 s after the one before it; on arq's poll alone each would also wait 0-5 s for it.
+        assert done["c"] - done["a"] < 3.0, done
 
 
 def test_a_cancelled_job_stops_without_waiting_for_the_poll(slow_poll_stack: Stack) -> None:

@@ -66,13 +66,26 @@ class WakeUps:
             self.running.stop(arq_job_id.decode(), StopReason.cancelled)
 
     async def _start_due(self) -> None:
-        """One placement at a time: `start_jobs` waits for a free job slot, and the listener must
-        stay free to act on cancellations meanwhile."""
+        """One placement at a time, in the order they were queued, each once a job slot is free; the
+        listener stays free to act on cancellations meanwhile."""
         while True:
             arq_job_id = await self._due.get()
+            await self._free_slot()
             if not self.worker.allow_pick_jobs:
                 continue
             try:
                 await self.worker.start_jobs([arq_job_id])  # a no-op for one arq's poll already claimed
             except (RedisError, OSError) as exc:
                 log.warning("wake-up start of %s failed (%r); arq's poll will start it", arq_job_id, exc)
+
+    async def _free_slot(self) -> None:
+        """Until the worker could start one more job. arq's `start_jobs` drops a job it has no slot for
+        (its semaphore admits one caller past `max_jobs`, then the job count turns it away), and only
+        arq's next poll would find that job again: at capacity, every queued job would wait for a poll.
+        So a placement that arrives while every slot is busy waits here for a running job to end (arq
+        frees the slot in that task's first done callback, before this waiter resumes)."""
+        while self.worker.job_counter >= self.worker.max_jobs:
+            running = [task for task in self.worker.tasks.values() if not task.done()]
+            if not running:
+                return  # a slot is being taken or given back at this moment: `start_jobs` decides
+            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
