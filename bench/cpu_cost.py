@@ -55,7 +55,7 @@ class Stack:
     root: Path
     python: str  # the interpreter of the environment the stack's code runs in
     env: dict[str, str] = field(default_factory=dict)  # settings of this stack only
-    redis_hz: int | None = None  # Redis's `hz` (its background timer; serve's Redis runs 1), set after it starts
+    redis_hz: int | None = None  # Redis's `hz` (its background timer, 10 by default), set after it starts
     url: str = ""
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -251,12 +251,12 @@ TICKING_LOOP = ("import asyncio\nasync def main():\n    while True:\n        awa
 
 
 def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awake: bool = False) -> list[str]:
-    """This checkout at rest, with Redis's default timer and with liveness trimmed, beside what a bare
+    """This checkout at rest, with its Redis's timer and liveness trimmed, beside what a bare
     uvicorn, the API's server and a bare asyncio loop waking ten times a second cost on this machine; with `awake`, each
     window is measured beside one nice-19 busy loop per core (bench/awake.py)."""
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
     variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
-                Stack("Redis hz 10 (Redis's default)", ROOT, sys.executable, redis_hz=10),
+                Stack("Redis hz 1 (default 10; not adopted)", ROOT, sys.executable, redis_hz=1),
                 Stack("arq poll 1 s (default 2)", ROOT, sys.executable, {"OPENJEV_WORKER_POLL_DELAY": "1"}),
                 Stack("arq poll 5 s (default 2)", ROOT, sys.executable, poll),
                 Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
@@ -386,8 +386,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
     parser.add_argument("--idle-only", action="store_true", help="only the stacks at rest (no requests)")
     parser.add_argument("--idle-floor", action="store_true",
-                        help="only this checkout at rest, with liveness trimmed (poll, probe) and Redis's default "
-                             "hz, beside a bare uvicorn, the API's own server and a bare 10 Hz asyncio loop")
+                        help="only this checkout at rest, with liveness trimmed (poll, probe, Redis hz), beside a "
+                             "bare uvicorn, the API's own server and a bare 10 Hz asyncio loop")
     parser.add_argument("--awake-cores", action="store_true",
                         help="with --idle-floor: measure beside one nice-19 busy loop per core (bench/awake.py)")
     parser.add_argument("--unbatched", action="store_true",
@@ -404,9 +404,7 @@ def main() -> int:
     found = [] if args.idle_only else scenarios(model_dir, args.quick)
     with ExitStack() as resources:
         base_root = resources.enter_context(baseline_checkout(args.baseline))
-        # The baseline's Redis as it ran then: Redis's own timer (this checkout's serve runs it at 1 Hz).
-        wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"),
-                        redis_hz=10)]
+        wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"))]
         if args.unbatched:
             wanted.append(Stack("this, batch size 1", ROOT, sys.executable, {"OPENJEV_BRANCH_BATCH_SIZE": "1"}))
         wanted.append(Stack("this checkout", ROOT, sys.executable))

@@ -28,13 +28,6 @@ START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which gro
 # never freed by evicting keys (a job must not vanish); no RDB snapshots (the AOF is the copy).
 PERSISTENCE_ARGS = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
                     "--maxmemory-policy", "noeviction")
-# serve's Redis runs its background timer (expiry of keys nobody reads, client and AOF housekeeping)
-# once a second instead of Redis's 10 times: at rest those wake-ups were a third of the stack's CPU
-# (bench/RESULTS-cpu.md). The queue reads its keys, which expire on access whatever the timer does;
-# writes still reach the append-only file before their reply (a crash of Redis loses none), and the
-# once-a-second fsync of a write made at rest comes within 2 s instead of 1 (the power-loss window).
-# Under load Redis wakes for every command anyway. compose's Redis keeps Redis's default.
-TIMER_ARGS = ("--hz", "1")
 
 
 class RedisNotFound(RuntimeError):
@@ -110,7 +103,7 @@ class RedisServer:
             self._lock_fd = _lock(self.data_dir)
         # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
         argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS, *TIMER_ARGS,
+                "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
                 "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
