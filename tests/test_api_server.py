@@ -12,21 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.cpu_cost import wakeups
 from tests.conftest import Stack, stack_env
 from tests.processes import Proc, start_api
 from tests.redis_servers import fresh_redis
 
 AT_REST_SECONDS = 3.0
-
-
-def wake_ups(pid: int) -> int:
-    """Voluntary context switches of all of a process's threads: how often it went to sleep and woke."""
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        for line in status.read_text().splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                total += int(line.split()[1])
-    return total
 
 
 def test_the_api_process_sleeps_at_rest(scripted_stack: Stack) -> None:
@@ -35,9 +26,9 @@ def test_the_api_process_sleeps_at_rest(scripted_stack: Stack) -> None:
         "q": {"type": "noul", "instructions": "Is this a greeting?"}}}).status_code == 200
     pid = scripted_stack.api.process.pid
     time.sleep(0.5)  # past the request's own wake-ups (its connection's close, the log line)
-    before = wake_ups(pid)
+    before = wakeups(pid)
     time.sleep(AT_REST_SECONDS)
-    woken = wake_ups(pid) - before
+    woken = wakeups(pid) - before
     assert woken <= AT_REST_SECONDS * 2, f"the API woke {woken} times in {AT_REST_SECONDS} s at rest"
 
 

@@ -171,9 +171,8 @@ def port_of(redis_title: str) -> int:
     return int(words[1].rsplit(":", 1)[1])
 
 
-def server_settings(port: int, redis_dir: Path) -> dict[str, str]:
-    """The settings that make it durable and private, as the running server reports them (with its
-    password)."""
+def persistence(port: int, redis_dir: Path) -> dict[str, str]:
+    """The settings that make it durable, as the running server reports them (with its password)."""
     owner = redis.Redis(port=port, password=(redis_dir / "password").read_text().strip())
     try:
         return {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "protected-mode", "dir", "save",
@@ -223,7 +222,7 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
             assert time.monotonic() < deadline, "serve did not restart its Redis"
             time.sleep(0.1)
         assert port_of(serve_redis(served)[1]) == port  # in place: the same port, data directory and password
-        assert server_settings(port, redis_dir)["dir"] == str(redis_dir)
+        assert persistence(port, redis_dir)["dir"] == str(redis_dir)
 
         httpx.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
         response = answered(served)
@@ -267,7 +266,7 @@ def test_serves_redis_refuses_unauthenticated_commands_and_keeps_its_password_pr
         assert stat.S_IMODE((redis_dir / "password").stat().st_mode) == 0o600
         assert stat.S_IMODE(redis_dir.stat().st_mode) == 0o700
 
-        assert server_settings(port, redis_dir) == {
+        assert persistence(port, redis_dir) == {
             "appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction", "protected-mode": "yes",
             "dir": str(redis_dir), "save": "", "bind": "127.0.0.1"}
 
