@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(
-        default=2.0, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
+        default=4.0, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
         "(arq's poll_delay), the fallback for wake-ups it missed (worker/wakeups.py): new and cancelled jobs reach "
         "it at once; see bench/RESULTS-cpu.md for its cost at rest.")
     worker_wakeups: bool = Field(

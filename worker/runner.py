@@ -28,7 +28,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
-from common.queue.membership import HEARTBEAT_INTERVAL, WorkerCounters, WorkerInfo, heartbeat, leave
+from common.queue.membership import (
+    HEARTBEAT_INTERVAL,
+    RESTING_HEARTBEAT_INTERVAL,
+    WorkerCounters,
+    WorkerInfo,
+    heartbeat,
+    leave,
+)
 from common.queue.records import JobStore, Started
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
@@ -201,11 +208,13 @@ async def _keep_alive(ctx: dict[str, Any]) -> None:
     """Every heartbeat interval, one beat (common/queue/leases.py `beat`: one round trip): the
     heartbeat with the engine's last known health (probed on its own schedule, so a slow probe never
     delays a beat), the lease's renewal, and a look for vanished workers, whose jobs are moved in the
-    background. Stops the worker when its engine is down or another process holds its lease."""
+    background. Every second while jobs run, so the load the API routes by stays fresh; every two at
+    rest, where nothing but liveness changes. Stops the worker when its engine is down or another
+    process holds its lease."""
     health: EngineHealth = ctx["health"]
     info: WorkerInfo = ctx["info"]
     while True:
-        await asyncio.sleep(HEARTBEAT_INTERVAL)
+        await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
         try:
             await _beat(ctx)

@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 
 from common.queue import keys
 
-HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats
+HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats while the worker evaluates jobs (its load changes)
+RESTING_HEARTBEAT_INTERVAL = 2.0  # seconds between heartbeats with no job running: a beat can still be 3 s late
 LIVENESS_WINDOW = 5.0  # a worker silent this long leaves the routing set
 
 
