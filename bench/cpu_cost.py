@@ -257,8 +257,9 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awak
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
     variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
                 Stack("Redis hz 1 (default 10; not adopted)", ROOT, sys.executable, redis_hz=1),
-                Stack("arq poll 1 s (default 2)", ROOT, sys.executable, {"OPENJEV_WORKER_POLL_DELAY": "1"}),
-                Stack("arq poll 5 s (default 2)", ROOT, sys.executable, poll),
+                Stack("arq poll 2 s (the default before; now 4)", ROOT, sys.executable,
+                      {"OPENJEV_WORKER_POLL_DELAY": "2"}),
+                Stack("arq poll 5 s (default 4)", ROOT, sys.executable, poll),
                 Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
                 Stack("poll and probe 5 s", ROOT, sys.executable, {**poll, **probe})]
     lines = ["| at rest | API | worker | Redis | total CPU-ms per second | wake-ups per second (API, worker, Redis) "

@@ -1,17 +1,20 @@
 """What durability costs a request: the same sync requests through one stack (the project's own
-Redis, a worker, the API, the scripted engine), with Redis's append-only file on (as every layout
-runs it: `appendfsync everysec`) and off (`CONFIG SET appendonly no`, the old setting), switched
-back and forth between interleaved rounds on the same running processes.
+Redis, a worker, the API, the scripted engine), with Redis's append-only file off (`CONFIG SET
+appendonly no`, the old setting), on as every layout runs it (`appendfsync everysec`: written before
+the reply, fsynced once a second in the background) and on with `appendfsync always` (fsynced before
+the reply), switched between interleaved rounds on the same running processes.
 
     uv run --extra cpu --extra dev python -m bench.redis_durability [--requests 400]
 
-Prints p50/p99 per setting and the difference at concurrency 1 and 16. Figures: bench/RESULTS-durability.md.
+Prints p50/p99 per setting and the difference to AOF off at concurrency 1 and 16, and the CPU-ms per
+request of the Redis process. Figures: bench/RESULTS-durability.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -29,9 +32,14 @@ from tests.processes import start_api, start_scripted_engine, start_worker
 ROUNDS = 4  # per setting and concurrency, alternating, so drift in machine load hits both alike
 
 
-def set_append_only(client: redis.Redis, on: bool) -> None:
+SETTINGS = ("off", "everysec", "always")  # the append-only file off, or on with this fsync policy
+
+
+def set_persistence(client: redis.Redis, setting: str) -> None:
     """Switch the append-only file; turning it on rewrites it in the background: wait for that."""
-    client.config_set("appendonly", "yes" if on else "no")
+    if setting != "off":
+        client.config_set("appendfsync", setting)
+    client.config_set("appendonly", "no" if setting == "off" else "yes")
     while client.info("persistence")["aof_rewrite_in_progress"] or client.info("persistence")[
             "aof_rewrite_scheduled"]:
         time.sleep(0.05)
@@ -53,23 +61,34 @@ async def measure(url: str, concurrency: int, requests: int) -> list[float]:
     return latencies
 
 
-def bench(url: str, client: redis.Redis, requests: int) -> list[str]:
+def bench(url: str, client: redis.Redis, redis_pid: int, requests: int) -> list[str]:
     asyncio.run(measure(url, 1, 10))  # warm connections and the engine's prefix cache
-    lines = ["| concurrency | appendonly | p50 ms | p99 ms |", "|---|---|---|---|"]
+    lines = ["| concurrency | persistence | p50 ms | p99 ms | Redis CPU-ms per request |", "|---|---|---|---|---|"]
     for concurrency in (1, 16):
-        samples: dict[bool, list[float]] = {True: [], False: []}
+        samples: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+        cpu: dict[str, float] = dict.fromkeys(SETTINGS, 0.0)
         for _ in range(ROUNDS):
-            for on in (True, False):
-                set_append_only(client, on)
-                samples[on] += asyncio.run(measure(url, concurrency, requests // ROUNDS))
-        for on in (False, True):
-            lines.append(f"| {concurrency} | {'yes' if on else 'no'} | {percentile(samples[on], 0.5):.2f} | "
-                         f"{percentile(samples[on], 0.99):.2f} |")
-        p50 = percentile(samples[True], 0.5) - percentile(samples[False], 0.5)
-        p99 = percentile(samples[True], 0.99) - percentile(samples[False], 0.99)
-        lines.append(f"| {concurrency} | **AOF adds** | {p50:+.2f} | {p99:+.2f} |")
-    set_append_only(client, True)
+            for setting in SETTINGS:
+                set_persistence(client, setting)
+                before = cpu_seconds(redis_pid)
+                samples[setting] += asyncio.run(measure(url, concurrency, requests // ROUNDS))
+                cpu[setting] += cpu_seconds(redis_pid) - before
+        for setting in SETTINGS:
+            per_request = cpu[setting] * 1000 / len(samples[setting])
+            lines.append(f"| {concurrency} | {setting} | {percentile(samples[setting], 0.5):.2f} | "
+                         f"{percentile(samples[setting], 0.99):.2f} | {per_request:.3f} |")
+        for setting in SETTINGS[1:]:
+            p50 = percentile(samples[setting], 0.5) - percentile(samples["off"], 0.5)
+            p99 = percentile(samples[setting], 0.99) - percentile(samples["off"], 0.99)
+            lines.append(f"| {concurrency} | **{setting} adds** | {p50:+.2f} | {p99:+.2f} | |")
+    set_persistence(client, "everysec")
     return lines
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of a process and its threads so far (Redis fsyncs `everysec` in a thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -82,7 +101,7 @@ def main() -> int:
     model_dir = ensure_converted(model_cache_dir())
     log_dir = Path(tempfile.mkdtemp(prefix="openjev-bench-"))
     server = RedisServer.on(log_dir / "redis")
-    server.start()
+    redis_process = server.start()
     server.wait_ready()
     engine = start_scripted_engine(log_dir)
     env = stack_env(server.url, model_dir)
@@ -90,7 +109,7 @@ def main() -> int:
     api = start_api(log_dir, env)
     client = redis.Redis.from_url(server.url)
     try:
-        lines = bench(api.url or "", client, args.requests)
+        lines = bench(api.url or "", client, redis_process.pid, args.requests)
     finally:
         client.close()
         for proc in (api, worker, engine):
