@@ -35,7 +35,7 @@ from api.queue import CompletionWaiter, JobQueue
 from common.contract import SystemOneRequest
 from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
-from common.queue.membership import HEARTBEAT_INTERVAL, WorkerCounters, live_workers
+from common.queue.membership import RESTING_HEARTBEAT_INTERVAL, WorkerCounters, live_workers
 from common.queue.records import JobStore
 from common.routing import prefix_key, rank_workers
 from common.settings import RoutingPolicy, Settings
@@ -125,8 +125,9 @@ def counters_delta(before: dict[str, WorkerCounters], after: dict[str, WorkerCou
 
 
 async def published_counters(redis: ArqRedis) -> dict[str, WorkerCounters]:
-    """Every live worker's counters, once a heartbeat has carried the latest figures."""
-    await asyncio.sleep(HEARTBEAT_INTERVAL * 1.5)
+    """Every live worker's counters, once a heartbeat has carried the latest figures (a worker with no job
+    running beats every RESTING_HEARTBEAT_INTERVAL)."""
+    await asyncio.sleep(RESTING_HEARTBEAT_INTERVAL * 1.5)
     return {w.id: w.counters for w in await live_workers(redis)}
 
 
