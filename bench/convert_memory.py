@@ -32,14 +32,10 @@ started = time.perf_counter()
 if way == "streamed":
     from worker.cpu_engine.model import ensure_converted
     written = ensure_converted(out, gguf)
-else:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # save_pretrained refuses a model that still names a quantizer
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+else:  # the engine's own whole-model way, still used for architectures it does not stream
+    from worker.cpu_engine.model import _write_whole
     written = out / "whole"
-    model.save_pretrained(written, safe_serialization=True)
+    _write_whole(gguf, written)
 seconds = time.perf_counter() - started
 size = sum(p.stat().st_size for p in written.glob("*.safetensors"))
 print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "seconds": seconds,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from bench.cpu_cost import cpu_seconds
 from bench.queue_latency import percentile
 from common.contract import EXAMPLE_REQUEST
 from openjev.embedded_redis import RedisServer
@@ -83,12 +83,6 @@ def bench(url: str, client: redis.Redis, redis_pid: int, requests: int) -> list[
             lines.append(f"| {concurrency} | **{setting} adds** | {p50:+.2f} | {p99:+.2f} | |")
     set_persistence(client, "everysec")
     return lines
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of a process and its threads so far (Redis fsyncs `everysec` in a thread)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
