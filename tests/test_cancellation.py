@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
 from tests.conftest import Stack, build_stack, isolated_scripted_stack, model_cache_dir
 from tests.processes import start_cpu_engine
 from tests.test_api_contract import NOUL, body
@@ -113,7 +114,7 @@ def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack
 def test_when_no_worker_could_finish_in_time_new_requests_get_529_fast(tight_stack: Stack) -> None:
     tight_stack.script(delay=0.8)
     assert tight_stack.post(body()).status_code == 200  # teaches the worker its job time (~1.6 s)
-    time.sleep(1.2)  # the next heartbeat carries it
+    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # the next heartbeat carries it (every 2 s at rest)
     results: list[httpx.Response] = []
 
     def call() -> None:

@@ -7,6 +7,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
 from tests.conftest import Stack
 from tests.processes import start_api
 from tests.test_api_contract import NOUL, SCORE, body
@@ -24,7 +25,7 @@ def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: 
     for _ in range(2):
         assert scripted_stack.post(body({"a": NOUL, "b": SCORE})).status_code == 200
     assert scripted_stack.post({**body(), "model": "nope"}).status_code == 400
-    time.sleep(1.5)  # a heartbeat carries the worker's counters
+    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # a heartbeat carries the worker's counters (every 2 s at rest)
     r = httpx.get(scripted_stack.url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = samples(r.text)
@@ -58,7 +59,7 @@ def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) 
     finally:
         scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_delay=0.0)
     assert r.status_code == 502
-    time.sleep(1.5)
+    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)
     m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
     assert m[("openjev_worker_engine_errors", (("worker", "w0"),))] >= 1
     assert m[("openjev_worker_aborts_sent", (("worker", "w0"),))] >= 2  # b0 and b2 were live

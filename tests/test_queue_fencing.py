@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from common.queue import keys
-from common.queue.membership import LIVENESS_WINDOW
+from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
 from tests.conftest import Stack, build_stack
 from tests.processes import start_scripted_engine, start_worker
 from tests.redis_servers import fresh_redis
@@ -88,11 +88,14 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
         paused = stack.workers[0].process
         paused.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        with redis.Redis.from_url(stack.redis_url) as client:  # what w0's lease had left as it froze
+            lease_left = client.pttl(keys.lease_key("w0")) / 1000
+        assert LIVENESS_WINDOW - 2 * HEARTBEAT_INTERVAL < lease_left <= LIVENESS_WINDOW  # renewed by its busy beat
         try:
             for job_id in ids:
                 done = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
                 assert done["status"] == "succeeded", done
-            assert time.monotonic() - stopped_at > LIVENESS_WINDOW  # answered only once w0's lease had lapsed
+            assert time.monotonic() - stopped_at > lease_left  # answered only once w0's lease had lapsed
             time.sleep(max(0.0, PAUSE - (time.monotonic() - stopped_at)))
         finally:
             paused.send_signal(signal.SIGCONT)
