@@ -96,11 +96,14 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
     slots = BranchSlots(settings.max_concurrent_branches)
     request = SystemOneRequest.model_validate(EXAMPLE_REQUEST)
 
+    direct_engine: list[float] = []  # seconds of engine calls (warm, then branches) per direct job
+
     async def direct() -> None:
         job = preparer.prepare(request, "req_bench", 60)
-        await JobEvaluation(job, engine, slots).run()
+        evaluation = await JobEvaluation(job, engine, slots).run()
+        direct_engine.append(evaluation.prefill_seconds + evaluation.branches_seconds)
 
-    stages: list[tuple[float, float, float]] = []  # (to the worker, worker besides the engine, back) seconds
+    stages: list[tuple[float, float, float, float]] = []  # (to the worker, worker besides the engine, back, engine) s
 
     async def queued() -> None:
         job = preparer.prepare(request, "req_bench", 60)
@@ -111,7 +114,7 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
         t = outcome.timings
         picked = job.created_at + t.queue
         stages.append((picked - submitted, outcome.finished_at - picked - t.prefill - t.branches,
-                       answered - outcome.finished_at))
+                       answered - outcome.finished_at, t.prefill + t.branches))
 
     while not await live_workers(queue.redis):
         await asyncio.sleep(0.2)
@@ -121,6 +124,7 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
     lines = ["| concurrency | path | p50 ms | p99 ms |", "|---|---|---|---|"]
     for concurrency in (1, 16):
         stages.clear()
+        direct_engine.clear()
         direct_ms: list[float] = []
         queued_ms: list[float] = []
         for _ in range(4):  # interleave rounds so drift in machine load hits both paths alike
@@ -134,10 +138,12 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
         lines.append(f"| {concurrency} | mean of direct / queued | {statistics.mean(direct_ms):.2f}"
                      f" | {statistics.mean(queued_ms):.2f} |")
         if concurrency == 1:
-            to_worker, in_worker, back = (statistics.median(s[i] for s in stages) * 1000 for i in range(3))
+            to_worker, in_worker, back, engine_calls = (statistics.median(s[i] for s in stages) * 1000
+                                                        for i in range(4))
             breakdown = (f"where the hop goes at concurrency 1 (medians, clocks of one machine): submit + pickup "
                          f"{to_worker:.2f} ms, worker besides the engine {in_worker:.2f} ms, completion to the "
-                         f"waiting request {back:.2f} ms")
+                         f"waiting request {back:.2f} ms; the engine calls themselves {engine_calls:.2f} ms in the "
+                         f"worker against {statistics.median(direct_engine) * 1000:.2f} ms direct")
     await engine.close()
     return [*lines, "", breakdown]
 
