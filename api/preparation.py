@@ -58,7 +58,8 @@ class JobPreparer:
             prefix_hash=prefix_key(compiled.prefix_ids, self.settings.route_prefix_tokens),
             branches=[Branch(question_id=b.question_id, kind=b.kind, suffix_ids=b.suffix_ids, label_ids=b.label_ids,
                              option_names=b.option_names, legend=levels.get(b.question_id), option_order=b.option_order,
-                             calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names)))
+                             calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names)),
+                             calibrated_log_odds_offset=self.calibration.log_odds_offset(b.kind))
                       for b in compiled.branches],
             created_at=now,
             deadline_at=now + timeout,

@@ -288,7 +288,8 @@ def calibrated(records: Sequence[Record], calibration: Calibration) -> list[Reco
     out = []
     for r in records:
         temperature = calibration.temperature(r.kind, len(r.probabilities))
-        out.append(Record(**{**asdict(r), "probabilities": apply_temperature(r.probabilities, temperature)}))
+        probabilities = apply_temperature(r.probabilities, temperature, calibration.log_odds_offset(r.kind))
+        out.append(Record(**{**asdict(r), "probabilities": probabilities}))
     return out
 
 
@@ -299,10 +300,12 @@ def labelled(records: Sequence[Record]) -> list[LabelledAnswer]:
 # --- the report -------------------------------------------------------------------------------------
 
 
-def report(records: list[Record], title: str, by_options: bool = False) -> tuple[str, Calibration]:
+def report(records: list[Record], title: str, by_options: bool = False, prior: bool = False) -> tuple[str, Calibration]:
     """A markdown report of `records`, and the calibration fitted on their fit split (with `by_options`,
-    also one temperature per option count that has enough answers, as `openjev calibrate --by-options`)."""
-    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]), by_options=by_options)
+    also one temperature per option count that has enough answers, as `openjev calibrate --by-options`;
+    with `prior`, a noul label prior too, as `openjev calibrate --prior`)."""
+    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]), by_options=by_options,
+                                  prior=prior)
     held_out = [r for r in records if r.split == "held_out"]
     groups = {name: [r for r in records if r.set == name] for name in SETS}
     groups = {name: group for name, group in groups.items() if group}
@@ -312,6 +315,8 @@ def report(records: list[Record], title: str, by_options: bool = False) -> tuple
              "| calibrated model's held-out ECE (noise floor) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, group in [*groups.items(), ("choice", choice), ("all", records)]:
+        if not group:
+            continue  # no choice items (e.g. --sets boolq)
         m = metrics(group)
         held = [r for r in held_out if r in group]
         tuned = calibrated(held, calibration)
@@ -331,6 +336,7 @@ def report(records: list[Record], title: str, by_options: bool = False) -> tuple
               f"mean output tokens {statistics.fmean(r.output_tokens for r in records):.2f}.",
               "Fitted temperatures (fit split): "
               + ", ".join(f"{kind} {t.temperature:g}" + _buckets(t.by_options)
+                          + (f" with log-odds offset {t.log_odds_offset:+g}" if t.log_odds_offset else "")
                           for kind, t in calibration.temperatures.items()) + "."]
     return "\n".join(lines) + "\n", calibration
 
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {len(records)} requests in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         with (out / "records.jsonl").open("w") as f:
             f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
-    text, calibration = report(records, args.title or out.name, args.by_options)
+    text, calibration = report(records, args.title or out.name, args.by_options, args.prior)
     (out / "report.md").write_text(text)
     (out / "calibration.json").write_text(calibration.model_dump_json(indent=2) + "\n")
     print(text)
@@ -389,6 +395,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--title", help="the report's heading (default: the --out folder's name)")
     parser.add_argument("--by-options", action="store_true",
                         help="fit one temperature per option count too (buckets of at least 30 fit answers)")
+    parser.add_argument("--prior", action="store_true",
+                        help="fit a noul label prior (a log-odds offset on true) with the noul temperature")
     parser.add_argument("--report-only", action="store_true", help="recompute the report from --out/records.jsonl")
     return parser
 

@@ -1,10 +1,14 @@
 """Fitted temperatures: one per question type (and optionally per option count), fitted on labelled
 answers by minimising the negative log-likelihood, stored as JSON and applied to each answer's
-distribution as the last step of the softmax.
+distribution as the last step of the softmax. Optionally (`--prior`) a noul question also gets a label
+prior: an offset added to the log-odds of "true", fitted jointly with its temperature (Platt scaling),
+for a model that says yes more (or less) often than the truth is yes.
 
-Applying temperature T to a distribution p gives softmax(log p / T). For an answer read from one
-branch that is exactly the softmax of the label logprobs at T; for a debiased answer (an average over
-rotations) it rescales the average, which is what the fit saw, so fitting and serving agree.
+Applying temperature T to a distribution p gives softmax(log p / T); with a prior b on the first option,
+softmax(log p / T + [b, 0, …]), which for a noul answer is σ(logit(p) / T + b). For an answer read from
+one branch that is exactly the softmax of the label logprobs at T; for a debiased answer (an average over
+rotations) it rescales the average, which is what the fit saw, so fitting and serving agree. Choice and
+score questions get no prior: their label-order bias is what debiasing (`x_debias`) removes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pydantic import BaseModel, Field
 
 CALIBRATION_VERSION = 1
 _LOG_T_RANGE = (math.log(0.02), math.log(50.0))  # temperatures searched; beyond them the data says "sharpen/flatten"
+_MAX_LOG_ODDS = 50.0  # a noul answer's log-odds are clipped here for the prior's fit (p of 1 or 0 exactly)
 
 
 class CalibrationError(ValueError):
@@ -29,6 +34,8 @@ class TypeTemperatures(BaseModel):
 
     temperature: float = Field(gt=0)
     by_options: dict[int, float] = Field(default_factory=dict)  # option count → temperature
+    # noul only: added to the log-odds of "true" after the temperature (a label prior; 0: none)
+    log_odds_offset: float = Field(default=0.0, ge=-_MAX_LOG_ODDS, le=_MAX_LOG_ODDS)
     samples: int = 0  # labelled answers it was fitted on
 
 
@@ -44,6 +51,11 @@ class Calibration(BaseModel):
         if fitted is None:
             return 1.0
         return fitted.by_options.get(options, fitted.temperature)
+
+    def log_odds_offset(self, kind: str) -> float:
+        """The prior added to a noul answer's log-odds of "true" (0.0 for other types, or when not fitted)."""
+        fitted = self.temperatures.get(kind)
+        return fitted.log_odds_offset if fitted is not None and kind == "noul" else 0.0
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -63,13 +75,15 @@ class LabelledAnswer:
     gold: int
 
 
-def apply_temperature(probabilities: Sequence[float], temperature: float) -> list[float]:
-    """softmax(log p / T); zeros stay zero and T = 1 returns p unchanged."""
-    if temperature == 1.0:
+def apply_temperature(probabilities: Sequence[float], temperature: float, first_offset: float = 0.0) -> list[float]:
+    """softmax(log p / T + [first_offset, 0, …]); zeros stay zero, and T = 1 with no offset returns p unchanged."""
+    if temperature == 1.0 and first_offset == 0.0:
         return list(probabilities)
-    logs = [math.log(p) if p > 0 else -math.inf for p in probabilities]
+    logs = [math.log(p) / temperature if p > 0 else -math.inf for p in probabilities]
+    if first_offset and logs[0] != -math.inf:
+        logs[0] += first_offset
     top = max(logs)
-    weights = [math.exp((lp - top) / temperature) for lp in logs]
+    weights = [math.exp(lp - top) for lp in logs]
     total = math.fsum(weights)
     return [w / total for w in weights]
 
@@ -100,12 +114,84 @@ def fit_temperature(answers: Sequence[LabelledAnswer]) -> float:
     return math.exp((low + high) / 2)
 
 
-def fit_calibration(answers: Sequence[LabelledAnswer], by_options: bool = False, min_bucket: int = 30) -> Calibration:
+def fit_prior(answers: Sequence[LabelledAnswer]) -> tuple[float, float]:
+    """The temperature T and log-odds offset b minimising the NLL of two-option `answers` under
+    σ(logit(p) / T + b) (Platt scaling). The NLL is convex in (1/T, b): damped Newton steps from (1, 0).
+    A fit that would not sharpen or flatten within the temperature range is held at its bound."""
+    pairs = []
+    for a in answers:
+        p, q = a.probabilities
+        logit = _clip((math.log(p) if p > 0 else -math.inf) - (math.log(q) if q > 0 else -math.inf))
+        pairs.append((logit, 1.0 if a.gold == 0 else 0.0))
+    if not pairs:
+        return 1.0, 0.0
+    low, high = 1 / math.exp(_LOG_T_RANGE[1]), 1 / math.exp(_LOG_T_RANGE[0])  # the range of 1/T
+    scale, offset = 1.0, 0.0
+    loss = _platt_loss(pairs, scale, offset)
+    for _ in range(100):
+        g_scale = g_offset = h_ss = h_so = h_oo = 0.0
+        for z, y in pairs:
+            s = _sigmoid(scale * z + offset)
+            w = s * (1 - s)
+            g_scale += (s - y) * z
+            g_offset += s - y
+            h_ss += w * z * z
+            h_so += w * z
+            h_oo += w
+        det = h_ss * h_oo - h_so * h_so
+        if det <= 1e-12 * max(1.0, h_ss * h_oo):  # flat (e.g. every logit alike): a gradient step instead
+            step_scale, step_offset = g_scale / max(h_ss, 1e-9), g_offset / max(h_oo, 1e-9)
+        else:
+            step_scale = (h_oo * g_scale - h_so * g_offset) / det
+            step_offset = (h_ss * g_offset - h_so * g_scale) / det
+        for damping in (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125):
+            new_scale = min(high, max(low, scale - damping * step_scale))
+            new_offset = _clip(offset - damping * step_offset)
+            new_loss = _platt_loss(pairs, new_scale, new_offset)
+            if new_loss <= loss:
+                break
+        else:
+            break  # no step lowers the loss: at the minimum (to float precision) or at a bound
+        converged = loss - new_loss < 1e-12
+        scale, offset, loss = new_scale, new_offset, new_loss
+        if converged:
+            break
+    return 1 / scale, offset
+
+
+def _platt_loss(pairs: Sequence[tuple[float, float]], scale: float, offset: float) -> float:
+    total = 0.0
+    for z, y in pairs:
+        x = scale * z + offset  # −log σ(x) for y = 1, −log σ(−x) for y = 0, computed stably
+        total += _softplus(-x) if y else _softplus(x)
+    return total / len(pairs)
+
+
+def _softplus(x: float) -> float:
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def _clip(x: float) -> float:
+    return max(-_MAX_LOG_ODDS, min(_MAX_LOG_ODDS, x))
+
+
+def fit_calibration(answers: Sequence[LabelledAnswer], by_options: bool = False, min_bucket: int = 30,
+                    prior: bool = False) -> Calibration:
     """One temperature per question type; with `by_options`, also one per option count that has at least
-    `min_bucket` answers (fewer would fit noise)."""
+    `min_bucket` answers (fewer would fit noise); with `prior`, noul answers get a log-odds offset fitted
+    jointly with their temperature (`fit_prior`)."""
     temperatures: dict[str, TypeTemperatures] = {}
     for kind in sorted({a.kind for a in answers}):
         of_kind = [a for a in answers if a.kind == kind]
+        if prior and kind == "noul":
+            temperature, offset = fit_prior([a for a in of_kind if len(a.probabilities) == 2])
+            temperatures[kind] = TypeTemperatures(temperature=round(temperature, 4), log_odds_offset=round(offset, 4),
+                                                  samples=len(of_kind))
+            continue
         buckets: dict[int, float] = {}
         if by_options:
             for count in sorted({len(a.probabilities) for a in of_kind}):

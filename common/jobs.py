@@ -41,6 +41,7 @@ class Branch(BaseModel):
     legend: list[Any] | None = None  # score levels, echoed unchanged
     option_order: list[int] | None = None  # a debiasing rotation: the option at each label (None: label i = option i)
     calibrated_temperature: float = 1.0  # the fitted temperature (OPENJEV_CALIBRATION) for this question
+    calibrated_log_odds_offset: float = 0.0  # noul: the fitted label prior on "true" (0: none)
 
 
 class EvaluationJob(BaseModel):

@@ -1,6 +1,6 @@
 """From label log-probabilities to answers: a stable softmax over the offered labels, rotations of a
-debiased question averaged per option, the fitted temperature, then the contract's numbers (noul,
-argmax choice, expected score) and confidence."""
+debiased question averaged per option, the fitted temperature (and a noul's fitted prior), then the
+contract's numbers (noul, argmax choice, expected score) and confidence."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def _unit(x: float) -> float:
 def question_answers(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float,
                      mode: ConfidenceMode) -> dict[str, dict[str, Any]]:
     """Answers keyed by question id, from each branch's label logprobs; a question's rotation branches
-    (label-order debiasing) are averaged per option, then its fitted temperature is applied."""
+    (label-order debiasing) are averaged per option, then its fitted temperature (and prior) is applied."""
     grouped: dict[str, list[tuple[Branch, LabelDistribution]]] = {}
     for branch, logprobs in zip(branches, label_logprobs, strict=True):
         grouped.setdefault(branch.question_id, []).append((branch, label_distribution(logprobs, temperature)))
@@ -126,7 +126,8 @@ def option_distribution(rotations: Sequence[tuple[list[int] | None, LabelDistrib
 def _answer(group: list[tuple[Branch, LabelDistribution]], mode: ConfidenceMode) -> dict[str, Any]:
     branch = group[0][0]
     dist = option_distribution([(b.option_order, d) for b, d in group])
-    dist = LabelDistribution(apply_temperature(dist.probabilities, branch.calibrated_temperature), dist.label_mass)
+    calibrated = apply_temperature(dist.probabilities, branch.calibrated_temperature, branch.calibrated_log_odds_offset)
+    dist = LabelDistribution(calibrated, dist.label_mass)
     if branch.kind == "noul":
         return noul_answer(dist)
     if branch.kind == "choice":

@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("-o", "--output", type=Path, required=True, metavar="calibration.json")
     calibrate.add_argument("--by-options", action="store_true",
                            help="also fit one temperature per option count with at least 30 answers")
+    calibrate.add_argument("--prior", action="store_true",
+                           help="also fit a label prior for noul questions: an offset on the log-odds of true, "
+                                "fitted with their temperature, for a model that says yes too often or too rarely")
     calibrate.set_defaults(run=_calibrate)
 
     schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)")
@@ -208,10 +211,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not answers:
         print(f"openjev calibrate: {args.input} holds no labelled answers to fit on", file=sys.stderr)
         return 2
-    calibration = fit_calibration(answers, by_options=args.by_options)
+    calibration = fit_calibration(answers, by_options=args.by_options, prior=args.prior)
     args.output.write_text(calibration.model_dump_json(indent=2) + "\n")
     for kind, fitted in calibration.temperatures.items():
-        print(f"{kind}: T = {fitted.temperature:g} ({fitted.samples} answers)")
+        offset = f", log-odds offset {fitted.log_odds_offset:+g}" if fitted.log_odds_offset else ""
+        print(f"{kind}: T = {fitted.temperature:g}{offset} ({fitted.samples} answers)")
     return 0
 
 

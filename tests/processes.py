@@ -88,11 +88,13 @@ def start_scripted_engine(log_dir: Path) -> Proc:
     return proc
 
 
-def start_cpu_engine(log_dir: Path, cache_dir: Path, compute_delay: float = 0.0) -> Proc:
+def start_cpu_engine(log_dir: Path, cache_dir: Path, compute_delay: float = 0.0, dtype: str | None = None) -> Proc:
+    """`dtype`: the engine's OPENJEV_CPU_DTYPE (default: this process's, float32 under pytest)."""
     port = free_port()
     proc = spawn("cpu-engine", openjev("engine", "--port", str(port), "--cache-dir", str(cache_dir),
                                        "--compute-delay", str(compute_delay)),
-                 {}, log_dir, health=f"http://127.0.0.1:{port}/health", timeout=600)
+                 {"OPENJEV_CPU_DTYPE": dtype} if dtype else {}, log_dir, health=f"http://127.0.0.1:{port}/health",
+                 timeout=600)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
 

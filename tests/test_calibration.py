@@ -1,5 +1,5 @@
-"""Fitted temperatures: fitting recovers a known temperature, `openjev calibrate` writes the file, and
-the server applies it to every answer."""
+"""Fitted temperatures and the noul label prior: fitting recovers a known temperature (and a known
+log-odds offset), `openjev calibrate` writes the file, and the server applies it to every answer."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from common.calibration import (
     LabelledAnswer,
     apply_temperature,
     fit_calibration,
+    fit_prior,
     fit_temperature,
 )
 from tests.conftest import Stack
@@ -45,6 +46,21 @@ def synthetic_answers(true_temperature: float, n: int, options: int, seed: int, 
     return answers
 
 
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def synthetic_noul(true_temperature: float, true_offset: float, n: int, seed: int) -> list[LabelledAnswer]:
+    """noul answers reporting σ(z) while "true" is drawn with probability σ(z / T + b)."""
+    rng = random.Random(seed)
+    answers = []
+    for _ in range(n):
+        z = rng.gauss(0.5, 2.5)
+        gold = 0 if rng.random() < sigmoid(z / true_temperature + true_offset) else 1
+        answers.append(LabelledAnswer("noul", [sigmoid(z), 1 - sigmoid(z)], gold))
+    return answers
+
+
 @pytest.mark.parametrize("true_temperature", [0.5, 2.5])
 def test_fitting_recovers_a_known_temperature_on_synthetic_logprobs(true_temperature: float) -> None:
     fitted = fit_temperature(synthetic_answers(true_temperature, 6000, 4, seed=7))
@@ -66,6 +82,48 @@ def test_option_count_buckets_are_fitted_only_with_enough_answers() -> None:
     assert fitted.by_options[4] == pytest.approx(2.0, rel=0.1)
     assert fitted.by_options[5] == pytest.approx(0.5, rel=0.1)
     assert 3 not in fitted.by_options
+
+
+@pytest.mark.parametrize(("true_temperature", "true_offset"), [(1.6, -0.8), (0.6, 0.5), (1.0, 0.0)])
+def test_the_prior_fit_recovers_a_known_temperature_and_log_odds_offset(true_temperature: float,
+                                                                        true_offset: float) -> None:
+    temperature, offset = fit_prior(synthetic_noul(true_temperature, true_offset, 8000, seed=11))
+    assert temperature == pytest.approx(true_temperature, rel=0.08)
+    assert offset == pytest.approx(true_offset, abs=0.08)
+
+
+def test_the_prior_fit_lowers_the_likelihood_below_a_temperature_alone() -> None:
+    answers = synthetic_noul(1.0, -1.2, 3000, seed=12)  # says yes far too often, with the right sharpness
+
+    def nll(temperature: float, offset: float) -> float:
+        return -sum(math.log(apply_temperature(a.probabilities, temperature, offset)[a.gold]) for a in answers)
+
+    temperature, offset = fit_prior(answers)
+    alone = fit_temperature(answers)
+    assert nll(temperature, offset) < nll(alone, 0.0) - 0.02 * len(answers)
+
+
+def test_a_prior_is_fitted_for_noul_only_and_only_when_asked() -> None:
+    answers = synthetic_noul(1.5, -0.7, 4000, seed=13) + synthetic_answers(0.7, 3000, 4, seed=14)
+    with_prior = fit_calibration(answers, prior=True)
+    assert with_prior.log_odds_offset("noul") == pytest.approx(-0.7, abs=0.1)
+    assert with_prior.temperature("noul", 2) == pytest.approx(1.5, rel=0.1)
+    assert with_prior.log_odds_offset("choice") == 0.0
+    assert with_prior.temperature("choice", 4) == pytest.approx(0.7, rel=0.1)
+    without = fit_calibration(answers)
+    assert without.log_odds_offset("noul") == 0.0
+    # a file that gives choice an offset is read, and the offset ignored: choice has debiasing instead
+    loaded = Calibration.model_validate({"temperatures": {"choice": {"temperature": 1.0, "log_odds_offset": 2.0}}})
+    assert loaded.log_odds_offset("choice") == 0.0
+
+
+def test_applying_a_prior_adds_it_to_the_log_odds_of_the_first_option() -> None:
+    p = 0.8
+    got = apply_temperature([p, 1 - p], 2.0, -0.5)
+    assert got[0] == pytest.approx(sigmoid(math.log(p / (1 - p)) / 2.0 - 0.5))
+    assert sum(got) == pytest.approx(1.0)
+    assert apply_temperature([1.0, 0.0], 1.0, -3.0) == [1.0, 0.0]  # a certain answer stays certain
+    assert apply_temperature([0.0, 1.0], 1.0, 3.0) == [0.0, 1.0]
 
 
 def test_applying_a_temperature_is_the_softmax_of_the_logprobs_at_that_temperature() -> None:
@@ -101,6 +159,20 @@ def test_calibrate_command_fits_the_fit_split_and_writes_the_file(tmp_path: Path
     assert "choice: T = " in done.stdout
 
 
+def test_calibrate_command_fits_the_prior_when_asked(tmp_path: Path) -> None:
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"kind": a.kind, "probabilities": list(a.probabilities), "gold": a.gold,
+                                           "split": "fit"}) + "\n" for a in synthetic_noul(1.3, 0.9, 4000, seed=15)))
+    out = tmp_path / "calibration.json"
+    done = subprocess.run([sys.executable, "-m", "openjev", "calibrate", str(records), "-o", str(out), "--prior"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calibration = Calibration.load(out)
+    assert calibration.log_odds_offset("noul") == pytest.approx(0.9, abs=0.1)
+    assert calibration.temperature("noul", 2) == pytest.approx(1.3, rel=0.1)
+    assert f"log-odds offset {calibration.log_odds_offset('noul'):+g}" in done.stdout
+
+
 def test_calibrate_command_names_the_bad_line(tmp_path: Path) -> None:
     records = tmp_path / "records.jsonl"
     records.write_text('{"kind": "noul", "probabilities": [0.6, 0.4], "gold": 0}\n{"kind": "noul"}\n')
@@ -113,7 +185,8 @@ def test_calibrate_command_names_the_bad_line(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_the_server_applies_the_calibration_file_to_its_answers(cpu_stack: Stack, tmp_path: Path) -> None:
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"temperatures": {"noul": {"temperature": 2.0}, "choice": {"temperature": 0.5}}}))
+    path.write_text(json.dumps({"temperatures": {"noul": {"temperature": 2.0, "log_odds_offset": -0.6},
+                                                 "choice": {"temperature": 0.5}}}))
     calibrated_api = start_api(cpu_stack.log_dir, {**cpu_stack.env, "OPENJEV_CALIBRATION": str(path)})
     body = {"model": "jev-latest", "state": "I was charged twice for my March invoice.",
             "questions": {"refund": {"type": "noul", "instructions": "Does the customer want money back?"},
@@ -125,7 +198,7 @@ def test_the_server_applies_the_calibration_file_to_its_answers(cpu_stack: Stack
     finally:
         calibrated_api.stop()
     p = plain["refund"]["noul"]
-    assert calibrated["refund"]["noul"] == pytest.approx(apply_temperature([p, 1 - p], 2.0)[0], abs=1e-4)
+    assert calibrated["refund"]["noul"] == pytest.approx(sigmoid(math.log(p / (1 - p)) / 2.0 - 0.6), abs=1e-4)
     names = list(body["questions"]["team"]["criteria"])
     expected = apply_temperature([plain["team"]["probabilities"][n] for n in names], 0.5)
     assert [calibrated["team"]["probabilities"][n] for n in names] == pytest.approx(expected, abs=1e-4)

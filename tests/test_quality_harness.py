@@ -107,3 +107,15 @@ def test_the_ece_noise_floor_is_zero_for_certain_answers_and_shrinks_with_the_sa
     # one bin: the floor is the median |mean of n Bernoulli(0.7) − 0.7|, ≈ 0.6745·√(0.21/n) (0.069 at n = 20,
     # 0.05 as the median of a discrete count; 0.0069 at n = 2000)
     assert 0.04 < small < 0.1 and large < 0.012
+
+
+def test_the_report_fits_a_noul_prior_only_when_asked_and_applies_it_to_held_out_records() -> None:
+    # a model that says yes at 0.7 to everything, where the truth is yes a third of the time
+    fit = [record("noul", i, 0, 0 if i % 3 == 0 else 1, [0.7, 0.3]) for i in range(60)]
+    held = [record("noul", 60 + i, 0, 0 if i % 3 == 0 else 1, [0.7, 0.3], "held_out") for i in range(30)]
+    _, plain = report([*fit, *held], "tiny")
+    assert plain.log_odds_offset("noul") == 0.0
+    text, prior = report([*fit, *held], "tiny", prior=True)
+    assert prior.log_odds_offset("noul") < 0  # towards "no"
+    assert calibrated(held, prior)[0].probabilities[0] == pytest.approx(1 / 3, abs=0.01)
+    assert "with log-odds offset" in text
