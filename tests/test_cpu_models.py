@@ -129,3 +129,26 @@ def test_a_bfloat16_models_largest_logits_are_float32_dot_products_off_the_bfloa
         exact = (hidden.double() @ head.weight.double().T).gather(-1, rows)
     assert torch.allclose(refined.double(), exact, atol=1e-5)
     assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.mark.integration
+def test_an_int8_model_quantizes_its_linear_layers_but_the_output_and_down_projections(model_dir: Path) -> None:
+    import torch
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    from worker.cpu_engine.model import load_model
+
+    int8, f32 = load_model(model_dir, dtype="int8"), load_model(model_dir, dtype="float32")
+    head = int8.model.get_output_embeddings()
+    plain = {name: module for name, module in int8.model.named_modules() if type(module) is torch.nn.Linear}
+    layers = int8.model.config.num_hidden_layers
+    assert plain.pop("lm_head") is head and head.weight.dtype == torch.float32
+    assert sorted(plain) == sorted(f"model.layers.{i}.mlp.down_proj" for i in range(layers))
+    assert all(module.weight.dtype == torch.float32 for module in plain.values())
+    quantized = [m for m in int8.model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(quantized) == 6 * layers  # q, k, v, o, gate, up
+    ids = int8.tokenizer("Is the customer asking for money back? Answer:").input_ids
+    got, _ = int8.forward(ids, None)
+    want, _ = f32.forward(ids, None)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert not torch.allclose(got, want, atol=1e-3)  # it computed in int8

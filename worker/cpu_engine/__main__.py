@@ -22,9 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to sleep, abortably, per prompt before its compute (tests)")
     parser.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS,
                         help="prefix KV cache capacity in tokens (about 46 KB each for SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=Settings().cpu_dtype,
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "int8"], default=Settings().cpu_dtype,
                         help="compute dtype (default: OPENJEV_CPU_DTYPE, else auto: bfloat16 on CPUs with bf16 "
-                             "instructions, float32 elsewhere)")
+                             "instructions, float32 elsewhere; int8: faster without bf16, at a cost in answers)")
     return parser.parse_args(argv)
 
 

