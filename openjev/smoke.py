@@ -449,8 +449,9 @@ def _expect_choice(qid: str, target: str) -> Callable[[dict[str, Any]], list[str
         answer = body["answers"][qid]
         if answer["choice"] == target:
             return []
-        return [f"semantic: chose {answer['choice']!r} over {target!r} "
-                f"(p={answer['probabilities'][target]:.3f} vs {answer['probabilities'][answer['choice']]:.3f})"]
+        chosen = answer["choice"]
+        return [f"semantic: chose {chosen!r} (p={answer['probabilities'][chosen]:.3f}) over {target!r} "
+                f"(p={answer['probabilities'][target]:.3f})"]
 
     return expect
 
