@@ -4,8 +4,9 @@ instructions, and at what cost in answers? (`OPENJEV_CPU_DTYPE=int8`, worker/cpu
 The README example's prompts (a state the engine has not seen, as the compiler builds them) are computed
 the engine's way, the prefix from nothing and then the three question suffixes packed in one pass, by the
 model in float32, in the engine's int8 (`quantize_linear_layers`: every linear layer but the output and
-the MLPs' down projections) and with the down projections quantized too (`torch.ao.quantization.
-quantize_dynamic`: int8 weights with a scale per output channel, activations quantized per call). For
+the MLPs' down projections) and with the down projections quantized too (`keep=()`; both through
+`torch.ao.quantization.quantize_dynamic`: int8 weights with a scale per output channel, activations
+quantized per call). For
 each: the time of prefix plus packed branches (median of the rounds), each question's label distribution
 against float32's, and the same distributions computed a second way, every prompt in one pass from
 nothing. In float32 the two ways agree to rounding; dynamic quantization takes one activation scale per
@@ -28,13 +29,13 @@ import gc
 import statistics
 import sys
 import time
-import warnings
+from pathlib import Path
 
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.prompt import CompiledPrompt, PromptCompiler
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
-from worker.cpu_engine.model import LoadedModel, load_model, resolve_model
+from worker.cpu_engine.model import LoadedModel, load_model, quantize_linear_layers, resolve_model
 from worker.cpu_engine.packing import forward_packed
 
 VARIANTS = ("float32", "int8 (the engine's)", "int8, the down projections too")
@@ -51,12 +52,7 @@ def main() -> int:
 
     import torch
 
-    with warnings.catch_warnings():  # torch deprecates eager-mode quantization in favour of torchao
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    model_dir, served_name = resolve_model(args.model, Settings().cache_dir / "models")
-    compiler = PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
+    model_dir, served_name, compiler = _compiler(args.model)
     prompts = [compiler.compile(SystemOneRequest.model_validate(
         EXAMPLE_REQUEST | {"state": f"(Ticket #{n}) {EXAMPLE_REQUEST['state']}"})) for n in range(args.rounds + 1)]
 
@@ -66,14 +62,9 @@ def main() -> int:
     rows = []
     reference: list[list[float]] | None = None
     for name in VARIANTS:
-        loaded = load_model(model_dir, served_name, dtype="float32" if name == "float32" else "int8")
+        loaded = load_model(model_dir, served_name, dtype="int8" if name == "int8 (the engine's)" else "float32")
         if name == "int8, the down projections too":
-            layers = {layer: per_channel_dynamic_qconfig for layer, module in loaded.model.named_modules()
-                      if type(module) is torch.nn.Linear and module is not loaded.model.get_output_embeddings()}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                warnings.simplefilter("ignore", UserWarning)
-                quantize_dynamic(loaded.model, layers, dtype=torch.qint8, inplace=True)
+            quantize_linear_layers(loaded.model, keep=())
         seconds = []
         for prompt in prompts:  # the first warms the kernels up and is not timed
             started = time.perf_counter()
@@ -107,8 +98,7 @@ def probe_boolq(model: str, size: int) -> int:
     """How far the engine's int8 moves the yes probability of long prompts from float32's."""
     from bench.quality import load_items, request_body
 
-    model_dir, served_name = resolve_model(model, Settings().cache_dir / "models")
-    compiler = PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
+    model_dir, served_name, compiler = _compiler(model)
     prompts = [compiler.compile(SystemOneRequest.model_validate(request_body(item, 0, "jev-latest", False)))
                for item in load_items("boolq", size, 0)]
 
@@ -136,6 +126,12 @@ def probe_boolq(model: str, size: int) -> int:
         turned = sum((a > 0.5) != (b > 0.5) for a, b in zip(got, reference, strict=True))
         print(f"| {way} | {statistics.mean(changes):.3f} | {max(changes):.3f} | {turned} of {size} |")
     return 0
+
+
+def _compiler(model: str) -> tuple[Path, str, PromptCompiler]:
+    """The catalog model's directory and served name, and the prompt compiler the API builds for it."""
+    model_dir, served_name = resolve_model(model, Settings().cache_dir / "models")
+    return model_dir, served_name, PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
 
 
 def _gap(ours: list[list[float]], theirs: list[list[float]]) -> float:

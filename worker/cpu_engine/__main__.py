@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import get_args
 
 from common.settings import Settings
+from worker.cpu_engine.model import CpuDtype
 from worker.cpu_engine.server import DEFAULT_CACHE_TOKENS, run
 
 
@@ -22,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to sleep, abortably, per prompt before its compute (tests)")
     parser.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS,
                         help="prefix KV cache capacity in tokens (about 46 KB each for SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "int8"], default=Settings().cpu_dtype,
+    parser.add_argument("--dtype", choices=get_args(CpuDtype), default=Settings().cpu_dtype,
                         help="compute dtype (default: OPENJEV_CPU_DTYPE, else auto: bfloat16 on CPUs with bf16 "
                              "instructions, float32 elsewhere; int8: faster without bf16, at a cost in answers)")
     return parser.parse_args(argv)

@@ -360,8 +360,8 @@ def load_model(model_dir: Path, served_name: str | None = None, threads: int | N
 UNQUANTIZED_LAYERS = ("down_proj",)
 
 
-def quantize_linear_layers(model: PreTrainedModel) -> None:
-    """Swap `model`'s linear layers, but its output projection and `UNQUANTIZED_LAYERS`, for torch's dynamically
+def quantize_linear_layers(model: PreTrainedModel, keep: tuple[str, ...] = UNQUANTIZED_LAYERS) -> None:
+    """Swap `model`'s linear layers, but its output projection and those named `*keep`, for torch's dynamically
     quantized ones: int8 weights with a scale per output channel, activations quantized per call (int8 GEMMs).
 
     For AVX2 machines, where bfloat16 has no instructions: the 1.5B computed the README example in 0.61× of
@@ -382,7 +382,7 @@ def quantize_linear_layers(model: PreTrainedModel) -> None:
 
         layers = {name: per_channel_dynamic_qconfig for name, module in model.named_modules()
                   if isinstance(module, torch.nn.Linear) and module is not head
-                  and not name.endswith(UNQUANTIZED_LAYERS)}
+                  and not name.endswith(keep)}
         quantize_dynamic(model, layers, dtype=torch.qint8, inplace=True)
 
 
