@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from api.errors import UnknownModel, invalid
-from common.calibration import Calibration
+from common.calibration import Calibration, question_key
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
 from common.jobs import Branch, EvaluationJob, new_job_id
 from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
@@ -50,6 +50,8 @@ class JobPreparer:
         self._check_budgets(compiled)
         now = time.time()
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
+        # Questions calibrated on their own are found by their key; no digest is computed when none are.
+        keys = {qid: question_key(q) for qid, q in request.questions.items()} if self.calibration.questions else {}
         return EvaluationJob(
             id=new_job_id(now),
             request_id=request_id,
@@ -58,8 +60,10 @@ class JobPreparer:
             prefix_hash=prefix_key(compiled.prefix_ids, self.settings.route_prefix_tokens),
             branches=[Branch(question_id=b.question_id, kind=b.kind, suffix_ids=b.suffix_ids, label_ids=b.label_ids,
                              option_names=b.option_names, legend=levels.get(b.question_id), option_order=b.option_order,
-                             calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names)),
-                             calibrated_log_odds_offset=self.calibration.log_odds_offset(b.kind))
+                             calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names),
+                                                                                 keys.get(b.question_id)),
+                             calibrated_log_odds_offset=self.calibration.log_odds_offset(b.kind,
+                                                                                        keys.get(b.question_id)))
                       for b in compiled.branches],
             created_at=now,
             deadline_at=now + timeout,

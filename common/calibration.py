@@ -4,6 +4,12 @@ distribution as the last step of the softmax. Optionally (`--prior`) a noul ques
 prior: an offset added to the log-odds of "true", fitted jointly with its temperature (Platt scaling),
 for a model that says yes more (or less) often than the truth is yes.
 
+A client that asks the same question of many states (the same type, instructions and options, each
+time) can also have that question calibrated on its own (`--per-question`): one model is over-confident
+on one question and under-confident on another of the same type, which no temperature per type can
+mend. Such a question is found by `question_key`, a digest of the question as sent (option order aside);
+questions without their own entry get the per-type temperatures, fitted on the answers to them.
+
 Applying temperature T to a distribution p gives softmax(log p / T); with a prior b on the first option,
 softmax(log p / T + [b, 0, …]), which for a noul answer is σ(logit(p) / T + b). For an answer read from
 one branch that is exactly the softmax of the label logprobs at T; for a debiased answer (an average over
@@ -13,12 +19,17 @@ score questions get no prior: their label-order bias is what debiasing (`x_debia
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
+
+from common.contract import ChoiceQuestion, NoulQuestion, Question, ScoreQuestion
 
 CALIBRATION_VERSION = 1
 _LOG_T_RANGE = (math.log(0.02), math.log(50.0))  # temperatures searched; beyond them the data says "sharpen/flatten"
@@ -39,23 +50,42 @@ class TypeTemperatures(BaseModel):
     samples: int = 0  # labelled answers it was fitted on
 
 
+class QuestionTemperature(BaseModel):
+    """The temperature (and, for a noul question, the label prior) of one question asked many times."""
+
+    question: dict[str, Any]  # the question as fitted, for people reading the file (lookup is by its key)
+    temperature: float = Field(gt=0)
+    log_odds_offset: float = Field(default=0.0, ge=-_MAX_LOG_ODDS, le=_MAX_LOG_ODDS)
+    samples: int = 0
+
+
 class Calibration(BaseModel):
     """The file `openjev calibrate` writes and `OPENJEV_CALIBRATION` points at."""
 
     version: int = CALIBRATION_VERSION
     temperatures: dict[str, TypeTemperatures] = Field(default_factory=dict)  # "noul" | "choice" | "score"
+    questions: dict[str, QuestionTemperature] = Field(default_factory=dict)  # question_key → its own fit
 
-    def temperature(self, kind: str, options: int) -> float:
-        """The temperature for a question of `kind` with `options` options (1.0 when not fitted)."""
+    def temperature(self, kind: str, options: int, question: str | None = None) -> float:
+        """The temperature for a question of `kind` with `options` options: the question's own (by its
+        `question_key`) where fitted, else its type's (1.0 when not fitted)."""
+        own = self.questions.get(question) if question is not None else None
+        if own is not None:
+            return own.temperature
         fitted = self.temperatures.get(kind)
         if fitted is None:
             return 1.0
         return fitted.by_options.get(options, fitted.temperature)
 
-    def log_odds_offset(self, kind: str) -> float:
+    def log_odds_offset(self, kind: str, question: str | None = None) -> float:
         """The prior added to a noul answer's log-odds of "true" (0.0 for other types, or when not fitted)."""
+        if kind != "noul":
+            return 0.0
+        own = self.questions.get(question) if question is not None else None
+        if own is not None:
+            return own.log_odds_offset
         fitted = self.temperatures.get(kind)
-        return fitted.log_odds_offset if fitted is not None and kind == "noul" else 0.0
+        return fitted.log_odds_offset if fitted is not None else 0.0
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -66,13 +96,28 @@ class Calibration(BaseModel):
             raise CalibrationError(f"calibration file {path}: {error}") from None
 
 
+_QUESTION = TypeAdapter(Question)
+
+
+def question_key(question: NoulQuestion | ChoiceQuestion | ScoreQuestion | Mapping[str, Any]) -> str:
+    """A digest of a question as a client sends it: its type, instructions and criteria, as the contract
+    reads them (fields it ignores are left out), with choice options in any order (debiasing and clients
+    may reorder them). A dict is validated first; ValueError says why it is not a question."""
+    if isinstance(question, Mapping):
+        question = _QUESTION.validate_python(question)
+    text = json.dumps(question.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 @dataclass(frozen=True)
 class LabelledAnswer:
-    """One answer's distribution (over its options, at temperature 1) and the index of the right option."""
+    """One answer's distribution (over its options, at temperature 1) and the index of the right option;
+    with the question it answers (as sent) where known, for `fit_calibration(per_question=True)`."""
 
     kind: str
     probabilities: Sequence[float]
     gold: int
+    question: Mapping[str, Any] | None = None
 
 
 def apply_temperature(probabilities: Sequence[float], temperature: float, first_offset: float = 0.0) -> list[float]:
@@ -180,13 +225,33 @@ def _clip(x: float) -> float:
 
 
 def fit_calibration(answers: Sequence[LabelledAnswer], by_options: bool = False, min_bucket: int = 30,
-                    prior: bool = False) -> Calibration:
+                    prior: bool = False, per_question: bool = False) -> Calibration:
     """One temperature per question type; with `by_options`, also one per option count that has at least
     `min_bucket` answers (fewer would fit noise); with `prior`, noul answers get a log-odds offset fitted
-    jointly with their temperature (`fit_prior`)."""
+    jointly with their temperature (`fit_prior`).
+
+    With `per_question`, each question with at least `min_bucket` answers gets its own temperature (and
+    prior, for noul with `prior`); the per-type temperatures are then fitted on the other answers, the
+    ones they will serve (on all of a type's answers where every question of it has its own)."""
+    questions: dict[str, QuestionTemperature] = {}
+    rest = list(answers)
+    if per_question:
+        groups: dict[str, list[LabelledAnswer]] = {}
+        for a in answers:
+            if a.question is not None:
+                groups.setdefault(question_key(a.question), []).append(a)
+        for key, group in sorted(groups.items()):
+            if len(group) < min_bucket:
+                continue
+            kind = group[0].kind
+            temperature, offset = (fit_prior(group) if prior and kind == "noul" else (fit_temperature(group), 0.0))
+            questions[key] = QuestionTemperature(question=_QUESTION.validate_python(group[0].question)
+                                                 .model_dump(mode="json"), temperature=round(temperature, 4),
+                                                 log_odds_offset=round(offset, 4), samples=len(group))
+        rest = [a for a in answers if a.question is None or question_key(a.question) not in questions]
     temperatures: dict[str, TypeTemperatures] = {}
     for kind in sorted({a.kind for a in answers}):
-        of_kind = [a for a in answers if a.kind == kind]
+        of_kind = [a for a in rest if a.kind == kind] or [a for a in answers if a.kind == kind]
         if prior and kind == "noul":
             temperature, offset = fit_prior([a for a in of_kind if len(a.probabilities) == 2])
             temperatures[kind] = TypeTemperatures(temperature=round(temperature, 4), log_odds_offset=round(offset, 4),
@@ -200,4 +265,4 @@ def fit_calibration(answers: Sequence[LabelledAnswer], by_options: bool = False,
                     buckets[count] = round(fit_temperature(bucket), 4)
         temperatures[kind] = TypeTemperatures(temperature=round(fit_temperature(of_kind), 4), by_options=buckets,
                                               samples=len(of_kind))
-    return Calibration(temperatures=temperatures)
+    return Calibration(temperatures=temperatures, questions=questions)

@@ -94,7 +94,8 @@ class Settings(BaseSettings):
     prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
                                       "answer marker; bench/quality.py measures either.")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
-                                     "temperatures applied to each answer's distribution.")
+                                     "temperatures (per type, option count or question) applied to each answer's "
+                                     "distribution.")
 
     # Secrets: never logged.
     api_key: SecretStr | None = None

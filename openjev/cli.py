@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--prior", action="store_true",
                            help="also fit a label prior for noul questions: an offset on the log-odds of true, "
                                 "fitted with their temperature, for a model that says yes too often or too rarely")
+    calibrate.add_argument("--per-question", action="store_true",
+                           help="also fit each question asked at least 30 times on its own (lines with a "
+                                '"question": the question object as sent); the rest keep the per-type fits')
     calibrate.set_defaults(run=_calibrate)
 
     schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)")
@@ -194,7 +197,7 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from common.calibration import LabelledAnswer, fit_calibration
+    from common.calibration import LabelledAnswer, fit_calibration, question_key
 
     answers = []
     for number, line in enumerate(args.input.read_text().splitlines(), 1):
@@ -202,20 +205,30 @@ def _calibrate(args: argparse.Namespace) -> int:
             continue
         try:
             record = json.loads(line)
+            question = record.get("question")
+            if question is not None:
+                question_key(question)  # refuses what is not a question, with the line's number
             if record.get("split") != "held_out":
                 answers.append(LabelledAnswer(str(record["kind"]), [float(p) for p in record["probabilities"]],
-                                              int(record["gold"])))
+                                              int(record["gold"]), question))
         except (ValueError, KeyError, TypeError) as error:
             print(f"openjev calibrate: {args.input}:{number}: not a labelled answer ({error})", file=sys.stderr)
             return 2
     if not answers:
         print(f"openjev calibrate: {args.input} holds no labelled answers to fit on", file=sys.stderr)
         return 2
-    calibration = fit_calibration(answers, by_options=args.by_options, prior=args.prior)
+    calibration = fit_calibration(answers, by_options=args.by_options, prior=args.prior,
+                                  per_question=args.per_question)
     args.output.write_text(calibration.model_dump_json(indent=2) + "\n")
     for kind, fitted in calibration.temperatures.items():
         offset = f", log-odds offset {fitted.log_odds_offset:+g}" if fitted.log_odds_offset else ""
         print(f"{kind}: T = {fitted.temperature:g}{offset} ({fitted.samples} answers)")
+    for key, own in calibration.questions.items():
+        offset = f", log-odds offset {own.log_odds_offset:+g}" if own.log_odds_offset else ""
+        print(f"question {key} ({own.question['type']}, {str(own.question.get('instructions'))[:60]!r}): "
+              f"T = {own.temperature:g}{offset} ({own.samples} answers)")
+    if args.per_question and not calibration.questions:
+        print("no question was asked 30 times or more: per-type temperatures only")
     return 0
 
 

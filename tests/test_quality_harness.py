@@ -10,6 +10,7 @@ from bench.quality import (
     Record,
     brier_score,
     calibrated,
+    cross_fitted,
     ece_floor,
     expected_calibration_error,
     load_items,
@@ -71,6 +72,46 @@ def test_the_report_fits_a_temperature_per_option_count_only_when_asked() -> Non
     assert set(buckets) == {3, 4}
     assert buckets[3] < 1 < buckets[4]  # sharpen the always-right bucket, flatten the half-wrong one
     assert f"3 options {buckets[3]:g}" in text
+
+
+def test_the_report_fits_a_repeated_question_on_its_own_only_when_asked() -> None:
+    # SST-2's way: one question asked of every item, right at 0.6 every time it says 0.9 (over-confident),
+    # beside one-off questions right at 0.9 every time they say 0.6 (under-confident).
+    review = {"type": "noul", "instructions": "Is this movie review positive?"}
+
+    def item(i: int, split: str, question: dict, confidence: float, right: bool) -> Record:
+        gold = 0 if right else 1
+        return Record("tiny", i, split, "noul", 0, gold, [confidence, 1 - confidence], 1.0, 100, 2, question)
+
+    def one_off(i: int) -> dict:
+        return {"type": "noul", "instructions": f"Question {i}?"}
+
+    records = [item(i, split, review, 0.9, i % 5 < 3) for split in ("fit", "held_out") for i in range(40)]
+    records += [item(100 + i, split, one_off(100 + i), 0.6, i % 10 < 9)
+                for split in ("fit", "held_out") for i in range(40)]
+    text, plain = report(records, "tiny", prior=True)
+    assert plain.questions == {}
+    text, own = report(records, "tiny", prior=True, per_question=True)
+    assert len(own.questions) == 1
+    held = [r for r in records if r.split == "held_out"]
+    after = calibrated(held, own)
+    assert after[0].probabilities[0] == pytest.approx(0.6, abs=0.02)  # the review question: flattened
+    assert after[-1].probabilities[0] == pytest.approx(0.9, abs=0.02)  # a one-off: sharpened
+    assert metrics(after).ece < 0.03 < metrics(calibrated(held, plain)).ece
+    assert 'Fitted on its own (40 fit answers): noul "Is this movie review positive?"' in text
+
+
+def test_across_halves_each_record_is_calibrated_by_the_fit_on_the_other_half() -> None:
+    # the fit half is always right at 0.9; the held-out half is right half the time at 0.9
+    fit = [record("choice", i, 0, 0, [0.9, 0.05, 0.05]) for i in range(40)]
+    held = [record("choice", 40 + i, 0, i % 2, [0.9, 0.05, 0.05], "held_out") for i in range(40)]
+    crossed = cross_fitted([*fit, *held], by_options=True)
+    assert sorted((r.split, r.index) for r in crossed) == sorted((r.split, r.index) for r in [*fit, *held])
+    by_split = {r.split: r.probabilities[0] for r in crossed}
+    assert by_split["held_out"] > 0.99  # the fit half's temperature sharpens
+    assert by_split["fit"] < 0.6  # the held-out half's flattens
+    text, _ = report([*fit, *held], "tiny")
+    assert "ECE calibrated across halves (noise floor)" in text
 
 
 def test_sets_load_from_the_installed_package_with_a_fixed_seed() -> None:
