@@ -327,7 +327,7 @@ def report(records: list[Record], title: str, by_options: bool = False, prior: b
     groups = {name: group for name, group in groups.items() if group}
     lines = [f"### {title}", "",
              "| set | n | accuracy | ECE | Brier | flips under rotation | held-out ECE before → after calibration "
-             "| calibrated model's held-out ECE (noise floor) | ECE calibrated across halves (noise floor) |",
+             "| calibrated model's held-out ECE (noise floor) | calibrated across halves: ECE (noise floor), Brier |",
              "|---|---|---|---|---|---|---|---|---|"]
     rows = [*((name, lambda r, name=name: r.set == name) for name in groups),
             ("choice", lambda r: r.kind == "choice"), ("all", lambda r: True)]
@@ -341,7 +341,8 @@ def report(records: list[Record], title: str, by_options: bool = False, prior: b
         after = f"{metrics(held).ece:.3f} → {metrics(tuned).ece:.3f}" if held else "–"
         floor = f"{ece_floor([max(r.probabilities) for r in tuned]):.3f}" if held else "–"
         across = [r for r in crossed if member(r)]
-        both = (f"{metrics(across).ece:.3f} ({ece_floor([max(r.probabilities) for r in across]):.3f})"
+        both = (f"{metrics(across).ece:.3f} ({ece_floor([max(r.probabilities) for r in across]):.3f}), "
+                f"{brier_score(across):.3f}"
                 if {r.split for r in across} == {"fit", "held_out"} else "–")
         flips = "–" if m.flip_rate is None else f"{m.flip_rate:.0%}"
         lines.append(f"| {name} | {m.n} | {m.accuracy:.3f} | {m.ece:.3f} | {m.brier:.3f} | {flips} | {after} "

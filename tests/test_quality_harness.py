@@ -111,7 +111,7 @@ def test_across_halves_each_record_is_calibrated_by_the_fit_on_the_other_half() 
     assert by_split["held_out"] > 0.99  # the fit half's temperature sharpens
     assert by_split["fit"] < 0.6  # the held-out half's flattens
     text, _ = report([*fit, *held], "tiny")
-    assert "ECE calibrated across halves (noise floor)" in text
+    assert "calibrated across halves: ECE (noise floor), Brier" in text
 
 
 def test_sets_load_from_the_installed_package_with_a_fixed_seed() -> None:
