@@ -103,9 +103,18 @@ def question_key(question: NoulQuestion | ChoiceQuestion | ScoreQuestion | Mappi
     """A digest of a question as a client sends it: its type, instructions and criteria, as the contract
     reads them (fields it ignores are left out), with choice options in any order (debiasing and clients
     may reorder them). A dict is validated first; ValueError says why it is not a question."""
+    return _question_key(_as_read(question))
+
+
+def _as_read(question: NoulQuestion | ChoiceQuestion | ScoreQuestion | Mapping[str, Any]) -> dict[str, Any]:
+    """The question as the contract reads it, as JSON."""
     if isinstance(question, Mapping):
         question = _QUESTION.validate_python(question)
-    text = json.dumps(question.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return question.model_dump(mode="json")
+
+
+def _question_key(read: dict[str, Any]) -> str:
+    text = json.dumps(read, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -236,19 +245,23 @@ def fit_calibration(answers: Sequence[LabelledAnswer], by_options: bool = False,
     questions: dict[str, QuestionTemperature] = {}
     rest = list(answers)
     if per_question:
+        reads = [_as_read(a.question) if a.question is not None else None for a in answers]
+        keys = [_question_key(read) if read is not None else None for read in reads]
         groups: dict[str, list[LabelledAnswer]] = {}
-        for a in answers:
-            if a.question is not None:
-                groups.setdefault(question_key(a.question), []).append(a)
+        read_of: dict[str, dict[str, Any]] = {}
+        for a, key, read in zip(answers, keys, reads, strict=True):
+            if key is not None and read is not None:
+                groups.setdefault(key, []).append(a)
+                read_of[key] = read
         for key, group in sorted(groups.items()):
             if len(group) < min_bucket:
                 continue
             kind = group[0].kind
             temperature, offset = (fit_prior(group) if prior and kind == "noul" else (fit_temperature(group), 0.0))
-            questions[key] = QuestionTemperature(question=_QUESTION.validate_python(group[0].question)
-                                                 .model_dump(mode="json"), temperature=round(temperature, 4),
-                                                 log_odds_offset=round(offset, 4), samples=len(group))
-        rest = [a for a in answers if a.question is None or question_key(a.question) not in questions]
+            questions[key] = QuestionTemperature(question=read_of[key],
+                                                 temperature=round(temperature, 4), log_odds_offset=round(offset, 4),
+                                                 samples=len(group))
+        rest = [a for a, key in zip(answers, keys, strict=True) if key not in questions]
     temperatures: dict[str, TypeTemperatures] = {}
     for kind in sorted({a.kind for a in answers}):
         of_kind = [a for a in rest if a.kind == kind] or [a for a in answers if a.kind == kind]
