@@ -8,7 +8,7 @@ import time
 from api.errors import UnknownModel, invalid
 from common.calibration import Calibration, question_key
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
-from common.jobs import Branch, EvaluationJob, new_job_id
+from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, new_job_id
 from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
@@ -44,7 +44,7 @@ class JobPreparer:
     def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
         """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
         try:
-            compiled = self.compiler.compile(request, self._rotations(request))
+            compiled = self.compiler.compile(request, self._rotations(request), self.settings.option_group_size)
         except UnsupportedContent as exc:
             raise invalid(list(exc.loc[1:]), exc.message, "unsupported_content") from exc  # loc starts at "body"
         self._check_budgets(compiled)
@@ -53,6 +53,7 @@ class JobPreparer:
         # Questions calibrated on their own are found by their key; no digest is computed when none are.
         keys = {qid: question_key(q) for qid, q in request.questions.items()} if self.calibration.questions else {}
         return EvaluationJob(
+            version=GROUPED_JOB_RECORD_VERSION if compiled.final_rounds else JOB_RECORD_VERSION,
             id=new_job_id(now),
             request_id=request_id,
             model=self.settings.served_model_name,
@@ -63,8 +64,10 @@ class JobPreparer:
                              calibrated_temperature=self.calibration.temperature(b.kind, len(b.option_names),
                                                                                  keys.get(b.question_id)),
                              calibrated_log_odds_offset=self.calibration.log_odds_offset(b.kind,
-                                                                                        keys.get(b.question_id)))
+                                                                                        keys.get(b.question_id)),
+                             group=b.group)
                       for b in compiled.branches],
+            final_rounds=compiled.final_rounds,
             created_at=now,
             deadline_at=now + timeout,
             temperature=self.settings.temperature,
@@ -78,19 +81,23 @@ class JobPreparer:
     def _check_budgets(self, compiled: CompiledPrompt) -> None:
         prefix = len(compiled.prefix_ids)
         per_branch = self.settings.max_input_tokens
-        for branch in compiled.branches:
-            needed = prefix + len(branch.suffix_ids) + 1  # the answer token counts too
+        # A grouped question's final round is charged at its longest: one line per group, the longest lines.
+        suffixes = [(b.question_id, len(b.suffix_ids)) for b in compiled.branches]
+        for qid, final in compiled.final_rounds.items():
+            suffixes.append((qid, final.most_tokens(len({b.group for b in compiled.branches if b.question_id == qid}))))
+        for qid, suffix in suffixes:
+            needed = prefix + suffix + 1  # the answer token counts too
             if needed > per_branch:
-                raise invalid(["questions", branch.question_id],
+                raise invalid(["questions", qid],
                               f"this question needs {needed} tokens (state {prefix} + question "
-                              f"{len(branch.suffix_ids)} + 1 answer), over the limit of {per_branch}; "
+                              f"{suffix} + 1 answer), over the limit of {per_branch}; "
                               "shorten the state or the question", "token_budget")
-        total = prefix + sum(prefix + len(b.suffix_ids) for b in compiled.branches)
+        total = prefix + sum(prefix + suffix for _, suffix in suffixes)
         if total > self.settings.max_total_input_tokens:
             raise invalid(["questions"], f"the request needs {total} input tokens across its "
-                          f"{len(compiled.branches)} branch calls (one per question, one per rotation when "
-                          f"debiasing), over the limit of {self.settings.max_total_input_tokens}; send fewer "
-                          "questions or a shorter state",
+                          f"{len(suffixes)} branch calls (one per question, one per rotation when "
+                          f"debiasing, one per group and a final round for grouped options), over the limit of "
+                          f"{self.settings.max_total_input_tokens}; send fewer questions or a shorter state",
                           "token_budget")
 
 

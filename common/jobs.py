@@ -15,6 +15,9 @@ from pydantic import BaseModel, Field
 from common.settings import ConfidenceMode
 
 JOB_RECORD_VERSION = 1
+GROUPED_JOB_RECORD_VERSION = 2
+"""A job with a grouped choice question (`final_rounds`): a worker that predates them refuses it rather than
+answering from the first round alone."""
 
 
 class JobStatus(StrEnum):
@@ -42,18 +45,45 @@ class Branch(BaseModel):
     option_order: list[int] | None = None  # a debiasing rotation: the option at each label (None: label i = option i)
     calibrated_temperature: float = 1.0  # the fitted temperature (OPENJEV_CALIBRATION) for this question
     calibrated_log_odds_offset: float = 0.0  # noul: the fitted label prior on "true" (0: none)
+    group: int | None = None  # a grouped choice question's first round: which group this branch shows
+
+
+class FinalRound(BaseModel):
+    """A grouped choice question's second round, in token pieces: the worker lists each group's winner
+    under its own label and scores the labels, with no tokenizer of its own. The pieces join into exactly
+    the ids of the question's text (checked when they are cut, common/prompt.py)."""
+
+    head_ids: list[int]  # the question and the options heading
+    list_label_ids: list[list[int]]  # per position: its label's tokens at the start of an option line
+    line_ids: list[list[int]]  # per option (request order): the rest of its line after the label
+    tail_ids: list[int]  # the reply instruction, the rest of the template and the answer marker
+    label_ids: list[int]  # per position: the label token scored after the answer marker
+
+    def suffix_ids(self, options: list[int]) -> list[int]:
+        """The second round's suffix listing `options` (indices, in the order shown)."""
+        ids = list(self.head_ids)
+        for position, option in enumerate(options):
+            ids += self.list_label_ids[position] + self.line_ids[option]
+        return ids + self.tail_ids
+
+    def most_tokens(self, shown: int) -> int:
+        """The longest suffix with `shown` options: the bound admission control charges before any GPU work."""
+        longest = sorted((len(line) for line in self.line_ids), reverse=True)[:shown]
+        labels = sum(len(label) for label in self.list_label_ids[:shown])
+        return len(self.head_ids) + labels + sum(longest) + len(self.tail_ids)
 
 
 class EvaluationJob(BaseModel):
     """Everything a worker needs to evaluate one request; never contains client JSON to parse."""
 
-    version: Literal[1] = JOB_RECORD_VERSION
+    version: Literal[1, 2] = JOB_RECORD_VERSION
     id: str
     request_id: str
     model: str  # the name reported back in the response
     prefix_ids: list[int]
     prefix_hash: str
     branches: list[Branch]
+    final_rounds: dict[str, FinalRound] = Field(default_factory=dict)  # by question id: grouped choice questions
     created_at: float
     deadline_at: float  # epoch seconds; past it the job is not run and its calls are aborted
     temperature: float
@@ -65,9 +95,12 @@ class EvaluationJob(BaseModel):
 
     @property
     def total_input_tokens(self) -> int:
-        """Tokens sent to the engine: the warm prefix once plus prefix + suffix per branch."""
+        """Tokens sent to the engine: the warm prefix once plus prefix + suffix per branch (a grouped question's
+        second round at its longest)."""
         prefix = len(self.prefix_ids)
-        return prefix + sum(prefix + len(b.suffix_ids) for b in self.branches)
+        groups = {qid: len({b.group for b in self.branches if b.question_id == qid}) for qid in self.final_rounds}
+        finals = sum(prefix + final.most_tokens(groups[qid]) for qid, final in self.final_rounds.items())
+        return prefix + sum(prefix + len(b.suffix_ids) for b in self.branches) + finals
 
 
 class Timings(BaseModel):

@@ -12,13 +12,14 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.jobs import FinalRound
 from common.labels import Label, LabelAlphabet
 from common.settings import PromptStyle
 
@@ -77,7 +78,10 @@ class CompiledBranch:
     option_names: list[str]
     """The keys answers are reported under, in request order: noul true/false, choice names, score "0".."""
     option_order: list[int] | None = None
-    """With debiasing: the option (index into `option_names`) shown at each label; None: label i shows option i."""
+    """With debiasing: the option (index into `option_names`) shown at each label; None: label i shows option i.
+    In a grouped question's first round: the group's options, in the order shown."""
+    group: int | None = None
+    """A grouped choice question's first round: the group this branch shows (see `PromptCompiler.compile`)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class CompiledPrompt:
 
     prefix_ids: list[int]
     branches: list[CompiledBranch]
+    final_rounds: dict[str, FinalRound] = field(default_factory=dict)
+    """By question id: the second round of each grouped choice question, assembled by the worker."""
 
     @property
     def prefix_tokens(self) -> int:
@@ -121,17 +127,32 @@ class PromptCompiler:
         """The label alphabet; its `capacity` bounds the options of one question."""
         return self._alphabet
 
-    def compile(self, request: SystemOneRequest, max_rotations: int = 1) -> CompiledPrompt:
+    def compile(self, request: SystemOneRequest, max_rotations: int = 1, group_size: int = 0) -> CompiledPrompt:
         """Render the state once and tokenize the shared prefix and every question's suffix.
 
         `max_rotations` > 1 debiases label order: each choice or score question with n options gets
         min(n, max_rotations) branches, each showing its options cyclically rotated (see `rotation_orders`).
+
+        `group_size` > 0 asks a choice question with more options than that in two rounds, for models that
+        lose the thread in a long list: first ⌈n / group_size⌉ groups of consecutive options (in canonical
+        order when debiasing), one branch each (or one per rotation of the group), then the worker lists each
+        group's winner in a final branch (`FinalRound`). An option's probability is its group's winner's in
+        the final round times its own within its group.
         """
         prefix_text, tail = self._render(request.state)
         prefix_ids = self._prefixes.ids(prefix_text, self._encode)
-        branches = [branch for qid, question in request.questions.items()
-                    for branch in self._branches(qid, question, tail, max_rotations)]
-        return CompiledPrompt(prefix_ids=prefix_ids, branches=branches)
+        branches: list[CompiledBranch] = []
+        final_rounds: dict[str, FinalRound] = {}
+        for qid, question in request.questions.items():
+            grouped = None
+            if isinstance(question, ChoiceQuestion) and 0 < group_size < len(question.criteria):
+                grouped = self._grouped(qid, question, tail, max_rotations, group_size)
+            if grouped is None:
+                branches += self._branches(qid, question, tail, max_rotations)
+            else:
+                branches += grouped[0]
+                final_rounds[qid] = grouped[1]
+        return CompiledPrompt(prefix_ids=prefix_ids, branches=branches, final_rounds=final_rounds)
 
     def _render(self, state: JSON) -> tuple[str, str]:
         try:
@@ -153,7 +174,7 @@ class PromptCompiler:
         return [self._branch(question_id, question, options, labels, tail, order) for order in orders]
 
     def _branch(self, question_id: str, question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label],
-                tail: str, order: list[int] | None) -> CompiledBranch:
+                tail: str, order: list[int] | None, group: int | None = None) -> CompiledBranch:
         shown = options if order is None else [options[i] for i in order]
         suffix_text = question_text(question, shown, labels, in_order=order is None or order[0] == 0) + tail
         suffix_text += self._marker
@@ -165,7 +186,50 @@ class PromptCompiler:
             label_ids=[label.token_id for label in labels],
             option_names=[name for name, _ in options],
             option_order=order,
+            group=group,
         )
+
+    def _grouped(self, question_id: str, question: ChoiceQuestion, tail: str, max_rotations: int,
+                 group_size: int) -> tuple[list[CompiledBranch], FinalRound] | None:
+        """The first round's branches and the final round's pieces; None where this tokenizer does not join
+        the pieces into the question's own ids (the question is then asked in one branch)."""
+        options = question_options(question)
+        n = len(options)
+        names = [name for name, _ in options]
+        order = sorted(range(n), key=names.__getitem__) if max_rotations > 1 else list(range(n))
+        count = -(-n // group_size)
+        groups = [order[(g * n) // count:((g + 1) * n) // count] for g in range(count)]
+        final = self._final_round(question_id, question, options, tail, count)
+        if final is None:
+            return None
+        branches = []
+        for g, members in enumerate(groups):
+            labels = self._alphabet.labels_for(len(members))
+            rotations = min(len(members), max_rotations)
+            shifts = sorted({(i * len(members)) // rotations for i in range(rotations)})
+            branches += [self._branch(question_id, question, options, labels, tail, members[s:] + members[:s], g)
+                         for s in shifts]
+        return branches, final
+
+    def _final_round(self, question_id: str, question: ChoiceQuestion, options: list[tuple[str, str]], tail: str,
+                     shown: int) -> FinalRound | None:
+        labels = self._alphabet.labels_for(shown)
+        head, reply = question_frame(question, labels)
+        reply += tail + self._marker
+        lines = [f": {text}\n" for _, text in options]
+        _require_unicode(head + reply + "".join(lines), ("body", "questions", question_id))
+        list_labels = [label.letters for label in labels]
+        encoded = self._tokenizer([head, reply, *list_labels, *lines], add_special_tokens=False)["input_ids"]
+        final = FinalRound(head_ids=encoded[0], tail_ids=encoded[1], list_label_ids=encoded[2:2 + shown],
+                           line_ids=encoded[2 + shown:], label_ids=[label.token_id for label in labels])
+        # Every line once, each after a label and before the next label (or the reply): the joins the final
+        # round will make. A tokenizer that merges across them (a leading space, say) cannot use pieces.
+        cycled = [i % shown for i in range(len(options))]
+        text = head + "".join(list_labels[k] + line for k, line in zip(cycled, lines, strict=True)) + reply
+        joined = list(final.head_ids)
+        for k, line in zip(cycled, final.line_ids, strict=True):
+            joined += final.list_label_ids[k] + line
+        return final if joined + final.tail_ids == self._encode(text) else None
 
     def _encode(self, text: str) -> list[int]:
         # The rendered template already holds every special token the model needs.
@@ -309,6 +373,13 @@ def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels:
 
     `in_order` False: a rotated score question, whose levels are not listed lowest first.
     """
+    head, reply = question_frame(question, labels, in_order)
+    lines = "".join(f"{label.letters}: {shown}\n" for label, (_, shown) in zip(labels, options, strict=True))
+    return head + lines + reply
+
+
+def question_frame(question: AnyQuestion, labels: list[Label], in_order: bool = True) -> tuple[str, str]:
+    """The question's text before its first option line and after its last one."""
     instructions = "" if question.instructions is None else _json_text(question.instructions)
     if not instructions.strip():
         instructions = DEFAULT_INSTRUCTIONS
@@ -316,13 +387,7 @@ def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels:
     if isinstance(question, ScoreQuestion):
         heading = "Levels, lowest first:" if in_order else "Levels, in no particular order:"
     letter = "letter" if len(labels[0].letters) == 1 else "two letters"
-    lines = [
-        f"Question: {instructions}",
-        heading,
-        *(f"{label.letters}: {shown}" for label, (_, shown) in zip(labels, options, strict=True)),
-        f"Reply with the {letter} of the best option only.",
-    ]
-    return "\n".join(lines)
+    return f"Question: {instructions}\n{heading}\n", f"Reply with the {letter} of the best option only."
 
 
 def _described(word: str, about: JSON) -> str:

@@ -1,6 +1,7 @@
 """From label log-probabilities to answers: a stable softmax over the offered labels, rotations of a
-debiased question averaged per option, the fitted temperature (and a noul's fitted prior), then the
-contract's numbers (noul, argmax choice, expected score) and confidence."""
+debiased question averaged per option, a grouped question's two rounds combined, the fitted temperature
+(and a noul's fitted prior), then the contract's numbers (noul, argmax choice, expected score) and
+confidence."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.calibration import apply_temperature
-from common.jobs import Branch
+from common.jobs import Branch, FinalRound
 from common.settings import ConfidenceMode
 
 
@@ -106,16 +107,54 @@ def _unit(x: float) -> float:
 def question_answers(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float,
                      mode: ConfidenceMode) -> dict[str, dict[str, Any]]:
     """Answers keyed by question id, from each branch's label logprobs; a question's rotation branches
-    (label-order debiasing) are averaged per option, then its fitted temperature (and prior) is applied."""
-    grouped: dict[str, list[tuple[Branch, LabelDistribution]]] = {}
-    for branch, logprobs in zip(branches, label_logprobs, strict=True):
-        grouped.setdefault(branch.question_id, []).append((branch, label_distribution(logprobs, temperature)))
-    return {qid: _answer(group, mode) for qid, group in grouped.items()}
+    (label-order debiasing) are averaged per option, a grouped question's rounds are combined
+    (`grouped_distribution`), then its fitted temperature (and prior) is applied."""
+    return {qid: _answer(group, mode) for qid, group in _by_question(branches, label_logprobs, temperature).items()}
 
 
-def option_distribution(rotations: Sequence[tuple[list[int] | None, LabelDistribution]]) -> LabelDistribution:
-    """Each rotation's label probabilities mapped back to the options it showed, averaged over rotations."""
-    totals = [0.0] * len(rotations[0][1].probabilities)
+def final_round_branches(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float,
+                         final_rounds: dict[str, FinalRound]) -> list[Branch]:
+    """The second round of each grouped question, from its first round's answers: each group's most likely
+    option, listed in group order under the final round's labels."""
+    finals = []
+    for qid, group in _by_question(branches, label_logprobs, temperature).items():
+        final = final_rounds.get(qid)
+        if final is None:
+            continue
+        first = group[0][0]
+        winners = []
+        for rotations in _groups(group).values():
+            within = option_distribution(rotations, len(first.option_names)).probabilities
+            winners.append(max(rotations[0][0], key=within.__getitem__))  # type: ignore[arg-type]
+        finals.append(first.model_copy(update={
+            "suffix_ids": final.suffix_ids(winners), "label_ids": final.label_ids[:len(winners)],
+            "option_order": winners, "group": None}))
+    return finals
+
+
+def grouped_distribution(group: Sequence[tuple[Branch, LabelDistribution]]) -> LabelDistribution:
+    """A grouped question's options: p(option) = the final round's p(its group's winner) × p(option | its
+    group). The final round is the question's branch with no group; the label mass reported is its own."""
+    size = len(group[0][0].option_names)
+    groups = _groups(group)
+    final = option_distribution(groups.pop(None), size)
+    probabilities = [0.0] * size
+    for rotations in groups.values():
+        within = option_distribution(rotations, size).probabilities
+        shown = rotations[0][0] or []
+        reached = math.fsum(final.probabilities[i] for i in shown)  # the final round's mass on the group's winner
+        for i in shown:
+            probabilities[i] = reached * within[i]
+    return LabelDistribution(probabilities, final.label_mass)
+
+
+def option_distribution(rotations: Sequence[tuple[list[int] | None, LabelDistribution]],
+                        size: int | None = None) -> LabelDistribution:
+    """Each rotation's label probabilities mapped back to the options it showed, averaged over rotations.
+
+    `size`: the question's option count, where the branches show only some of its options (zeros elsewhere).
+    """
+    totals = [0.0] * (size or len(rotations[0][1].probabilities))
     for order, dist in rotations:
         for label, p in enumerate(dist.probabilities):
             totals[label if order is None else order[label]] += p
@@ -123,9 +162,28 @@ def option_distribution(rotations: Sequence[tuple[list[int] | None, LabelDistrib
     return LabelDistribution([t / k for t in totals], math.fsum(d.label_mass for _, d in rotations) / k)
 
 
+def _by_question(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float
+                 ) -> dict[str, list[tuple[Branch, LabelDistribution]]]:
+    grouped: dict[str, list[tuple[Branch, LabelDistribution]]] = {}
+    for branch, logprobs in zip(branches, label_logprobs, strict=True):
+        grouped.setdefault(branch.question_id, []).append((branch, label_distribution(logprobs, temperature)))
+    return grouped
+
+
+def _groups(group: Sequence[tuple[Branch, LabelDistribution]]
+            ) -> dict[int | None, list[tuple[list[int] | None, LabelDistribution]]]:
+    rotations: dict[int | None, list[tuple[list[int] | None, LabelDistribution]]] = {}
+    for branch, dist in group:
+        rotations.setdefault(branch.group, []).append((branch.option_order, dist))
+    return rotations
+
+
 def _answer(group: list[tuple[Branch, LabelDistribution]], mode: ConfidenceMode) -> dict[str, Any]:
     branch = group[0][0]
-    dist = option_distribution([(b.option_order, d) for b, d in group])
+    if any(b.group is not None for b, _ in group):
+        dist = grouped_distribution(group)
+    else:
+        dist = option_distribution([(b.option_order, d) for b, d in group])
     calibrated = apply_temperature(dist.probabilities, branch.calibrated_temperature, branch.calibrated_log_odds_offset)
     dist = LabelDistribution(calibrated, dist.label_mass)
     if branch.kind == "noul":

@@ -91,6 +91,10 @@ class Settings(BaseSettings):
                          "options (label-order debiasing); a request's `x_debias` overrides it.")
     debias_max_rotations: int = Field(default=8, ge=2, description="Rotations per question when debiasing: "
                                       "min(options, this); below the option count invariance is approximate.")
+    option_group_size: int = Field(
+        default=0, ge=0, description="Ask a choice question with more options than this in two rounds: groups of "
+        "this many, then the groups' winners (for models that lose the thread in a long list); 0: one branch "
+        "per question. `openjev serve --model qwen2.5-1.5b` sets 26.")
     prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
                                       "answer marker; bench/quality.py measures either.")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "
@@ -148,6 +152,13 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else [a.strip() for a in text.split(",") if a.strip()]
+        return value
+
+    @field_validator("option_group_size")
+    @classmethod
+    def _group_of_two_or_more(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("a group needs at least 2 options (0 turns grouping off)")
         return value
 
     def accepts_model(self, name: str) -> bool:

@@ -159,6 +159,12 @@ class Supervisor:
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
             env.setdefault("OPENJEV_SERVED_MODEL_NAME", self._cpu_served_name())
+            if self.options.cpu_model:
+                from worker.cpu_engine.model import catalog_model
+
+                group_size = catalog_model(self.options.cpu_model).option_group_size
+                if group_size:
+                    env.setdefault("OPENJEV_OPTION_GROUP_SIZE", str(group_size))
         if self.options.sglang_python:
             from worker.sglang_launcher import context_length
 

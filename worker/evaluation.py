@@ -1,8 +1,8 @@
 """One job's evaluation: a warm call on the shared prefix, then the label-scoring branches, one per
 question (or more, where a scoring scheme asks), sent in batched engine calls of as many branches as
-the worker's slots grant at once. On any failure, timeout or cancellation the other calls are
-cancelled and every live branch rid is aborted in the engine, so no GPU time goes to work nobody will
-read."""
+the worker's slots grant at once; a grouped choice question's final round follows its first. On any
+failure, timeout or cancellation the other calls are cancelled and every live branch rid is aborted in
+the engine, so no GPU time goes to work nobody will read."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from common.jobs import EvaluationJob, Timings
-from common.scoring import question_answers
+from common.jobs import Branch, EvaluationJob, Timings
+from common.scoring import final_round_branches, question_answers
 from worker.branch_slots import BranchSlots
 from worker.engine_client import BranchPrompt, EngineClient, GenerateResult, SharedPrefix
 
@@ -66,10 +66,16 @@ class JobEvaluation:
         warm = await self.engine.warm(prefix, rid, self.job.remaining())
         self._live.discard(rid)  # only on an answer: a failed or cancelled call stays to be aborted
         warmed = time.perf_counter()
-        results = await self._score_branches(prefix)
+        branches = self.job.branches
+        results = await self._score_branches(prefix, branches)
+        if self.job.final_rounds:
+            finals = final_round_branches(branches, [r.label_logprobs for r in results], self.job.temperature,
+                                          self.job.final_rounds)
+            results += await self._score_branches(prefix, finals, first=len(branches))
+            branches = [*branches, *finals]
         done = time.perf_counter()
         return Evaluation(
-            body=self._response_body(warm, results),
+            body=self._response_body(warm, branches, results),
             prefix_tokens=len(self.job.prefix_ids),
             warm_call=warm,
             branch_calls=results,
@@ -77,11 +83,12 @@ class JobEvaluation:
             branches_seconds=done - warmed,
         )
 
-    async def _score_branches(self, prefix: SharedPrefix) -> list[GenerateResult]:
-        """Every branch's result, in branch order. Slots are asked for while earlier calls run; the first
-        failure cancels the rest (TaskGroup) and is raised as itself."""
+    async def _score_branches(self, prefix: SharedPrefix, branches: list[Branch], first: int = 0
+                              ) -> list[GenerateResult]:
+        """Every branch's result, in branch order (rids numbered from `first`). Slots are asked for while
+        earlier calls run; the first failure cancels the rest (TaskGroup) and is raised as itself."""
         prompts = [BranchPrompt(f"{self.job.id}.b{i}", b.suffix_ids, b.label_ids)
-                   for i, b in enumerate(self.job.branches)]
+                   for i, b in enumerate(branches, start=first)]
         results: list[GenerateResult] = []
         try:
             async with asyncio.TaskGroup() as group:
@@ -112,9 +119,9 @@ class JobEvaluation:
         self.aborts_sent += len(live)
         await asyncio.gather(*(self.engine.abort(rid) for rid in live))
 
-    def _response_body(self, warm: GenerateResult, results: list[GenerateResult]) -> dict:
+    def _response_body(self, warm: GenerateResult, branches: list[Branch], results: list[GenerateResult]) -> dict:
         job = self.job
-        answers = question_answers(job.branches, [r.label_logprobs for r in results], job.temperature, job.confidence)
+        answers = question_answers(branches, [r.label_logprobs for r in results], job.temperature, job.confidence)
         input_tokens = warm.prompt_tokens + sum(r.prompt_tokens for r in results)
         return {
             "model": job.model,

