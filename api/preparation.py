@@ -44,7 +44,7 @@ class JobPreparer:
     def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
         """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
         try:
-            compiled = self.compiler.compile(request, self._rotations(request), self.settings.option_group_size)
+            compiled = self.compiler.compile(request, self._rotations(request), self._group_size(request))
         except UnsupportedContent as exc:
             raise invalid(list(exc.loc[1:]), exc.message, "unsupported_content") from exc  # loc starts at "body"
         self._check_budgets(compiled)
@@ -77,6 +77,9 @@ class JobPreparer:
     def _rotations(self, request: SystemOneRequest) -> int:
         debias = self.settings.debias if request.x_debias is None else request.x_debias
         return self.settings.debias_max_rotations if debias else 1
+
+    def _group_size(self, request: SystemOneRequest) -> int:
+        return self.settings.option_group_size if request.x_option_group_size is None else request.x_option_group_size
 
     def _check_budgets(self, compiled: CompiledPrompt) -> None:
         prefix = len(compiled.prefix_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
 from typing_extensions import TypeAliasType
 
 JSON = Any
@@ -109,6 +109,17 @@ class SystemOneRequest(_Lenient):
     x_debias: StrictBool | None = Field(
         default=None, description="openjev: average each choice/score answer over cyclic rotations of its options "
         "(label-order debiasing; costs one branch per rotation). Omitted: the server's `OPENJEV_DEBIAS`.")
+    x_option_group_size: StrictInt | None = Field(
+        default=None, ge=0, description="openjev: ask each choice question with more options than this in two "
+        "rounds, groups of this many options and then the groups' winners (for models that lose the thread in a "
+        "long list); 0: one branch per question. Omitted: the server's `OPENJEV_OPTION_GROUP_SIZE`.")
+
+    @field_validator("x_option_group_size")
+    @classmethod
+    def _group_of_two_or_more(cls, size: int | None) -> int | None:
+        if size == 1:
+            raise ValueError("a group needs at least 2 options; send 0 to ask each question in one branch")
+        return size
 
     @field_validator("state")
     @classmethod

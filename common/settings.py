@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     option_group_size: int = Field(
         default=0, ge=0, description="Ask a choice question with more options than this in two rounds: groups of "
         "this many, then the groups' winners (for models that lose the thread in a long list); 0: one branch "
-        "per question. `openjev serve --model qwen2.5-1.5b` sets 26.")
+        "per question. `openjev serve --model qwen2.5-1.5b` sets 64.")
     prompt_style: PromptStyle = Field(default=PromptStyle.inline, description="How the answer label follows the "
                                       "answer marker; bench/quality.py measures either.")
     calibration: Path | None = Field(default=None, description="A file from `openjev calibrate`: fitted "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,7 @@ from common.scoring import final_round_branches, grouped_distribution, label_dis
 from common.settings import ConfidenceMode, Settings
 from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from openjev.smoke import REFUND_STATE, many_options
-from tests.conftest import Stack, build_stack
-from tests.redis_servers import fresh_redis
+from tests.conftest import Stack
 
 TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}
 INSTRUCTIONS = "Which team should handle this message?"
@@ -161,6 +159,24 @@ def test_grouped_probabilities_are_the_final_rounds_times_the_groups() -> None:
 def test_a_group_size_of_one_is_refused() -> None:
     with pytest.raises(ValidationError, match="at least 2 options"):
         Settings(option_group_size=1)
+    with pytest.raises(ValidationError, match="at least 2 options"):
+        ask(many_options(3), x_option_group_size=1)
+
+
+def test_a_request_sets_its_own_group_size_over_the_servers(tmp_path: Path) -> None:
+    preparer = JobPreparer(Settings(option_group_size=26, cache_dir=tmp_path),
+                           PromptCompiler.for_tokenizer(qwen36_tokenizer()))
+    assert len(preparer.prepare(ask(many_options(40), x_option_group_size=0), "r", 60).branches) == 1
+    assert len(preparer.prepare(ask(many_options(40), x_option_group_size=10), "r", 60).branches) == 4
+    assert len(preparer.prepare(ask(many_options(40)), "r", 60).branches) == 2
+
+
+@pytest.mark.integration
+def test_a_group_size_below_two_is_a_422_with_a_message(cpu_stack: Stack) -> None:
+    response = cpu_stack.post({"model": "jev-latest", "state": "s", "x_option_group_size": 1,
+                               "questions": {"q": {"type": "choice", "criteria": many_options(3)}}})
+    assert response.status_code == 422
+    assert "at least 2 options" in response.text
 
 
 def test_the_job_carries_the_final_round_and_admission_charges_it(tmp_path: Path) -> None:
@@ -180,26 +196,16 @@ def test_the_job_carries_the_final_round_and_admission_charges_it(tmp_path: Path
     assert plain.version == 1 and plain.final_rounds == {} and len(plain.branches) == 1
 
 
-@pytest.fixture(scope="module")
-def grouped_stack(cpu_stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stack]:
-    """An API and worker with groups of 4, on their own Redis, sharing the CPU engine of `cpu_stack`."""
-    with fresh_redis() as redis_url:
-        stack = build_stack(redis_url, cpu_stack.engine, model_dir, log_dir, OPENJEV_OPTION_GROUP_SIZE="4")
-        yield stack
-        for proc in [stack.api, *stack.workers]:
-            proc.stop()
-
-
 @pytest.mark.integration
-def test_a_grouped_answer_is_the_product_of_its_rounds_asked_alone(grouped_stack: Stack, cpu_stack: Stack) -> None:
+def test_a_grouped_answer_is_the_product_of_its_rounds_asked_alone(cpu_stack: Stack) -> None:
     criteria = {"Billing": "Payments, invoices, refunds and double charges", "Technical": "Bugs and outages",
                 "Sales": "New plans and upgrades", "Legal": "Contracts and privacy", "Security": "Breaches",
                 "Shipping": "Parcels and delivery", "Hiring": "Jobs and interviews", "Press": "Journalists",
                 "Partners": "Resellers", "Facilities": "Offices and parking"}
     names = list(criteria)
-    response = grouped_stack.post({"model": "jev-latest", "state": REFUND_STATE,
-                                   "questions": {"q": {"type": "choice", "instructions": INSTRUCTIONS,
-                                                       "criteria": criteria}}}, timeout=180)
+    response = cpu_stack.post({"model": "jev-latest", "state": REFUND_STATE, "x_option_group_size": 4,
+                               "questions": {"q": {"type": "choice", "instructions": INSTRUCTIONS,
+                                                   "criteria": criteria}}}, timeout=180)
     assert response.status_code == 200, response.text
     body = response.json()
     answer = body["answers"]["q"]
@@ -207,7 +213,7 @@ def test_a_grouped_answer_is_the_product_of_its_rounds_asked_alone(grouped_stack
     assert list(answer["probabilities"]) == names
     assert math.fsum(answer["probabilities"].values()) == pytest.approx(1.0)
 
-    # The same rounds asked by hand through the plain stack, one question per group, then the winners.
+    # The same rounds asked by hand, one question per group, then the winners.
     groups = [names[0:3], names[3:6], names[6:10]]  # ⌊g·10/3⌋ boundaries
     questions = {f"g{g}": {"type": "choice", "instructions": INSTRUCTIONS,
                            "criteria": {name: criteria[name] for name in group}} for g, group in enumerate(groups)}

@@ -96,6 +96,25 @@ def test_a_choice_among_255_options_gets_a_distribution_over_all_of_them(sglang:
     assert math.fsum(probabilities.values()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_a_grouped_choice_asks_its_groups_then_their_winners(request: pytest.FixtureRequest,
+                                                            sglang: SglangServe) -> None:
+    # Names of one length in tokens, so the final round's size does not hang on which options win.
+    options = {f"Team {i:03d}": None for i in range(255)}
+    grouped = body("Please route this ticket to the right team.",
+                   {"team": {"type": "choice", "instructions": "Which team?", "criteria": options}})
+    grouped["x_option_group_size"] = 26
+    response = sglang.post(grouped)
+    assert response.status_code == 200, response.text
+    answer, usage = response.json()["answers"]["team"], response.json()["usage"]
+    assert list(answer["probabilities"]) == list(options)
+    assert math.fsum(answer["probabilities"].values()) == pytest.approx(1.0, abs=1e-6)
+    assert usage["output_tokens"] == 10 + 1 + 1  # ten groups, the final round, the warm call
+    cpu_stack: Stack = request.getfixturevalue("cpu_stack")
+    reference = cpu_stack.post(grouped, timeout=REQUEST_TIMEOUT)
+    assert reference.status_code == 200, reference.text
+    assert usage == reference.json()["usage"]
+
+
 def test_many_questions_on_one_state_are_all_answered_and_hit_the_warmed_prefix(sglang: SglangServe) -> None:
     questions = {f"q{i}": {"type": "noul", "instructions": f"Does the ticket mention topic number {i}?"}
                  for i in range(12)}
