@@ -6,7 +6,10 @@ what asking in groups does (`--group-sizes 0 26`: each count asked in one branch
 in the same run; omitted: the server's OPENJEV_OPTION_GROUP_SIZE).
 
     uv run python -m bench.many_options --url http://127.0.0.1:8732 [--counts 26 64 128 255] [--debias] \
-        [--group-sizes 0 26]
+        [--group-sizes 0 64] [--cold] [--repeat 2]
+
+`--cold` numbers the ticket in each request's state, so no request finds another's tokens in the engine's
+prefix cache and the seconds compare like with like.
 
 Figures: bench/RESULTS-quality.md.
 """
@@ -29,15 +32,19 @@ def main() -> int:
     parser.add_argument("--debias", action="store_true", help="send x_debias: true")
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[None],
                         help="x_option_group_size values to ask each count with (0: one branch)")
+    parser.add_argument("--cold", action="store_true", help="a state of its own per request: nothing cached")
+    parser.add_argument("--repeat", type=int, default=1, help="ask every row this many times (in turn)")
     args = parser.parse_args()
     target = TARGET_OPTION[0]
     print(f"| options | group size | engine calls | input tokens | seconds | p({target}) | its rank | "
           "the model's top three |")
     print("|---|---|---|---|---|---|---|---|")
     with httpx.Client(base_url=args.url.rstrip("/"), timeout=1800) as client:
-        for count, group_size in ((c, g) for c in args.counts for g in args.group_sizes):
+        rows = [(c, g) for _ in range(args.repeat) for c in args.counts for g in args.group_sizes]
+        for number, (count, group_size) in enumerate(rows):
             question = {"type": "choice", "instructions": TEAM["instructions"], "criteria": many_options(count)}
-            body = {"model": "jev-latest", "state": REFUND_STATE, "questions": {"q": question},
+            state = f"Ticket {number + 1} of run {time.time_ns()}: {REFUND_STATE}" if args.cold else REFUND_STATE
+            body = {"model": "jev-latest", "state": state, "questions": {"q": question},
                     "x_debias": args.debias}
             if group_size is not None:
                 body["x_option_group_size"] = group_size
