@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -113,6 +113,7 @@ class PromptCompiler:
         self._alphabet = alphabet
         self._prefixes = _TokenizedTexts(prefix_cache_size)
         self._suffixes = _TokenizedTexts(prefix_cache_size)
+        self._final_rounds = _Memo[FinalRound | None](max(1, prefix_cache_size // 16))
         self._marker = _ANSWER_FORMS[style][0]
 
     @classmethod
@@ -218,13 +219,19 @@ class PromptCompiler:
         reply += tail + self._marker
         lines = [f": {text}\n" for _, text in options]
         _require_unicode(head + reply + "".join(lines), ("body", "questions", question_id))
+        # Clients ask the same long question of many states: its pieces are cut once.
+        return self._final_rounds.get(json.dumps([head, reply, lines]),
+                                      lambda _: self._cut_final_round(head, reply, lines, labels))
+
+    def _cut_final_round(self, head: str, reply: str, lines: list[str], labels: list[Label]) -> FinalRound | None:
+        shown = len(labels)
         list_labels = [label.letters for label in labels]
         encoded = self._tokenizer([head, reply, *list_labels, *lines], add_special_tokens=False)["input_ids"]
         final = FinalRound(head_ids=encoded[0], tail_ids=encoded[1], list_label_ids=encoded[2:2 + shown],
                            line_ids=encoded[2 + shown:], label_ids=[label.token_id for label in labels])
         # Every line once, each after a label and before the next label (or the reply): the joins the final
         # round will make. A tokenizer that merges across them (a leading space, say) cannot use pieces.
-        cycled = [i % shown for i in range(len(options))]
+        cycled = [i % shown for i in range(len(lines))]
         text = head + "".join(list_labels[k] + line for k, line in zip(cycled, lines, strict=True)) + reply
         joined = list(final.head_ids)
         for k, line in zip(cycled, final.line_ids, strict=True):
@@ -400,24 +407,36 @@ def _json_text(value: JSON) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+V = TypeVar("V")
+
+
+class _Memo(Generic[V]):
+    """An LRU of values keyed by a hash of the text they are made from; safe to share between threads."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[bytes, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str, make: Callable[[str], V]) -> V:
+        key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        value = make(text)
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return value
+
+
 class _TokenizedTexts:
     """An LRU of token ids keyed by a hash of the text; safe to share between threads."""
 
     def __init__(self, size: int) -> None:
-        self._size = size
-        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._memo = _Memo[tuple[int, ...]](size)
 
     def ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
-        key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-        with self._lock:
-            cached = self._entries.get(key)
-            if cached is not None:
-                self._entries.move_to_end(key)
-                return list(cached)
-        ids = encode(text)
-        with self._lock:
-            self._entries[key] = tuple(ids)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
-        return ids
+        return list(self._memo.get(text, lambda t: tuple(encode(t))))

@@ -104,6 +104,14 @@ def test_the_final_round_joins_its_pieces_into_the_winners_question(
         assert final.most_tokens(len(groups)) >= len(final.suffix_ids(winners))
 
 
+def test_a_repeated_question_has_its_final_round_cut_once(compiler: PromptCompiler) -> None:
+    first = compiler.compile(ask(many_options(100)), group_size=26).final_rounds["q"]
+    again = compiler.compile(ask(many_options(100), state="another state"), group_size=26).final_rounds["q"]
+    assert again is first
+    other = compiler.compile(ask({**many_options(99), "Extra": "One more"}), group_size=26).final_rounds["q"]
+    assert other is not first and len(other.line_ids) == 100
+
+
 def test_a_question_whose_pieces_do_not_join_is_asked_in_one_branch() -> None:
     compiler = PromptCompiler.for_tokenizer(smollm2_tokenizer())
     criteria = {f"Team {i}": f"Handles case {i}\n\n" for i in range(12)}  # GPT-2 splits "\n\n" + "B" as "\n", "\n"
