@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import random
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from common.scoring import final_round_branches, grouped_distribution, label_dis
 from common.settings import ConfidenceMode, Settings
 from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from openjev.smoke import REFUND_STATE, many_options
-from tests.conftest import Stack
+from tests.conftest import Stack, isolated_scripted_stack
 
 TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}
 INSTRUCTIONS = "Which team should handle this message?"
@@ -235,3 +237,53 @@ def test_a_grouped_answer_is_the_product_of_its_rounds_asked_alone(cpu_stack: St
                 for g, group in enumerate(groups) for name in group}
     assert answer["probabilities"] == pytest.approx(expected, abs=2e-3)
     assert answer["choice"] == max(expected, key=expected.__getitem__)
+
+
+TEN = {f"Team {i}": f"Handles case {i}" for i in range(10)}  # groups of 4: three groups (b0-b2), final b3
+
+
+def grouped_body(criteria: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "jev-latest", "state": "I was charged twice.", "x_option_group_size": 4,
+            "questions": {"q": {"type": "choice", "criteria": criteria}}}
+
+
+@pytest.fixture(scope="module")
+def scripted(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REQUEST_TIMEOUT="4") as stack:
+        yield stack
+
+
+@pytest.mark.integration
+def test_the_final_round_is_sent_after_the_groups_answer(scripted: Stack) -> None:
+    scripted.script(delay=0.0, fail_rid_suffix=None, slow_rid_infix=None)
+    before = len(scripted.engine_stats()["received"])
+    response = scripted.post(grouped_body(TEN))
+    assert response.status_code == 200, response.text
+    stats = scripted.engine_stats()
+    rids = [rid.rsplit(".", 1)[1] for rid in stats["received"][before:]]
+    assert rids[0] == "warm" and sorted(rids[1:4]) == ["b0", "b1", "b2"] and rids[4:] == ["b3"]
+    assert stats["finished"].index(stats["received"][before + 4]) > max(
+        stats["finished"].index(rid) for rid in stats["received"][before + 1:before + 4])
+    assert response.json()["usage"]["output_tokens"] == 5
+
+
+@pytest.mark.integration
+def test_a_failing_final_round_fails_the_request_with_an_engine_error(scripted: Stack) -> None:
+    scripted.script(delay=0.0, fail_rid_suffix=".b3", slow_rid_infix=None)
+    response = scripted.post(grouped_body(TEN))
+    assert response.status_code == 502, response.text
+    assert response.json()["detail"]["error_type"] == "engine_error"
+
+
+@pytest.mark.integration
+def test_a_deadline_in_the_final_round_aborts_it_in_the_engine(scripted: Stack) -> None:
+    scripted.script(delay=0.0, fail_rid_suffix=None, slow_rid_infix=".b3", slow_delay=60.0)
+    started = time.monotonic()
+    response = scripted.post(grouped_body(TEN), timeout=30)
+    assert response.status_code == 504, response.text
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while not any(rid.endswith(".b3") for rid in scripted.engine_stats()["aborted"]):
+        assert time.monotonic() < deadline, "the final round was never aborted"
+        time.sleep(0.1)
+    assert scripted.engine_stats()["live"] == []
