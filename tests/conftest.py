@@ -14,8 +14,10 @@ import httpx
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
+from transformers import PreTrainedTokenizerBase
 
 from common.prompt import PromptCompiler
+from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from tests.processes import Proc, start_api, start_cpu_engine, start_scripted_engine, start_worker
 from tests.redis_servers import fresh_redis
 
@@ -92,6 +94,25 @@ def smollm2_compiler(model_dir: Path) -> PromptCompiler:
     from common.tokenizer import load_tokenizer
 
     return PromptCompiler.for_tokenizer(load_tokenizer(str(model_dir)))
+
+
+TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}  # the production family's and SmolLM2's
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def tokenizer_name(request: pytest.FixtureRequest) -> str:
+    """Each of `TOKENIZERS` in turn, for tests of what the compiler makes with either."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_name: str) -> PreTrainedTokenizerBase:
+    return TOKENIZERS[tokenizer_name]()
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: PreTrainedTokenizerBase) -> PromptCompiler:
+    return PromptCompiler.for_tokenizer(tokenizer)
 
 
 @pytest_asyncio.fixture(loop_scope="function")

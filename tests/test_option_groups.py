@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from transformers import PreTrainedTokenizerBase
 
 from api.preparation import JobPreparer
 from common.contract import SystemOneRequest
@@ -25,23 +24,7 @@ from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from openjev.smoke import REFUND_STATE, many_options
 from tests.conftest import Stack, isolated_scripted_stack
 
-TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}
 INSTRUCTIONS = "Which team should handle this message?"
-
-
-@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
-def tokenizer_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_name: str) -> PreTrainedTokenizerBase:
-    return TOKENIZERS[tokenizer_name]()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: PreTrainedTokenizerBase) -> PromptCompiler:
-    return PromptCompiler.for_tokenizer(tokenizer)
 
 
 def ask(criteria: dict[str, Any], state: str = REFUND_STATE, **extra: Any) -> SystemOneRequest:

@@ -22,9 +22,7 @@ from common.prompt import (
     question_text,
     state_messages,
 )
-from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
-
-TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}
+from common.tokenizer import qwen36_tokenizer
 
 REFUND = {"type": "noul", "instructions": "Is the customer asking for money back?"}
 TEAM = {
@@ -42,21 +40,6 @@ TAILS = {
     "qwen36": "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
     "smollm2": "<|im_end|>\n<|im_start|>assistant\n",
 }
-
-
-@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
-def tokenizer_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_name: str) -> PreTrainedTokenizerBase:
-    return TOKENIZERS[tokenizer_name]()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: PreTrainedTokenizerBase) -> PromptCompiler:
-    return PromptCompiler.for_tokenizer(tokenizer)
 
 
 @pytest.fixture(scope="module")
