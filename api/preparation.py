@@ -86,8 +86,7 @@ class JobPreparer:
         per_branch = self.settings.max_input_tokens
         # A grouped question's final round is charged at its longest: one line per group, the longest lines.
         suffixes = [(b.question_id, len(b.suffix_ids)) for b in compiled.branches]
-        for qid, final in compiled.final_rounds.items():
-            suffixes.append((qid, final.most_tokens(len({b.group for b in compiled.branches if b.question_id == qid}))))
+        suffixes += [(qid, final.most_tokens) for qid, final in compiled.final_rounds.items()]
         for qid, suffix in suffixes:
             needed = prefix + suffix + 1  # the answer token counts too
             if needed > per_branch:

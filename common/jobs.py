@@ -53,6 +53,7 @@ class FinalRound(BaseModel):
     under its own label and scores the labels, with no tokenizer of its own. The pieces join into exactly
     the ids of the question's text (checked when they are cut, common/prompt.py)."""
 
+    groups: int  # how many options it lists: one per group
     head_ids: list[int]  # the question and the options heading
     list_label_ids: list[list[int]]  # per position: its label's tokens at the start of an option line
     line_ids: list[list[int]]  # per option (request order): the rest of its line after the label
@@ -60,16 +61,19 @@ class FinalRound(BaseModel):
     label_ids: list[int]  # per position: the label token scored after the answer marker
 
     def suffix_ids(self, options: list[int]) -> list[int]:
-        """The second round's suffix listing `options` (indices, in the order shown)."""
+        """The second round's suffix listing `options` (indices, one per group, in the order shown)."""
+        if len(options) != self.groups:
+            raise ValueError(f"a final round lists one option per group ({self.groups}), not {len(options)}")
         ids = list(self.head_ids)
         for position, option in enumerate(options):
             ids += self.list_label_ids[position] + self.line_ids[option]
         return ids + self.tail_ids
 
-    def most_tokens(self, shown: int) -> int:
-        """The longest suffix with `shown` options: the bound admission control charges before any GPU work."""
-        longest = sorted((len(line) for line in self.line_ids), reverse=True)[:shown]
-        labels = sum(len(label) for label in self.list_label_ids[:shown])
+    @property
+    def most_tokens(self) -> int:
+        """Its longest suffix, whichever options win: the bound admission control charges before any GPU work."""
+        longest = sorted((len(line) for line in self.line_ids), reverse=True)[:self.groups]
+        labels = sum(len(label) for label in self.list_label_ids)
         return len(self.head_ids) + labels + sum(longest) + len(self.tail_ids)
 
 
@@ -98,8 +102,7 @@ class EvaluationJob(BaseModel):
         """Tokens sent to the engine: the warm prefix once plus prefix + suffix per branch (a grouped question's
         second round at its longest)."""
         prefix = len(self.prefix_ids)
-        groups = {qid: len({b.group for b in self.branches if b.question_id == qid}) for qid in self.final_rounds}
-        finals = sum(prefix + final.most_tokens(groups[qid]) for qid, final in self.final_rounds.items())
+        finals = sum(prefix + final.most_tokens for final in self.final_rounds.values())
         return prefix + sum(prefix + len(b.suffix_ids) for b in self.branches) + finals
 
 

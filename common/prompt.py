@@ -220,14 +220,14 @@ class PromptCompiler:
         lines = [f": {text}\n" for _, text in options]
         _require_unicode(head + reply + "".join(lines), ("body", "questions", question_id))
         # Clients ask the same long question of many states: its pieces are cut once.
-        return self._final_rounds.get(json.dumps([head, reply, lines]),
+        return self._final_rounds.get(json.dumps([shown, head, reply, lines]),
                                       lambda _: self._cut_final_round(head, reply, lines, labels))
 
     def _cut_final_round(self, head: str, reply: str, lines: list[str], labels: list[Label]) -> FinalRound | None:
         shown = len(labels)
         list_labels = [label.letters for label in labels]
         encoded = self._tokenizer([head, reply, *list_labels, *lines], add_special_tokens=False)["input_ids"]
-        final = FinalRound(head_ids=encoded[0], tail_ids=encoded[1], list_label_ids=encoded[2:2 + shown],
+        final = FinalRound(groups=shown, head_ids=encoded[0], tail_ids=encoded[1], list_label_ids=encoded[2:2 + shown],
                            line_ids=encoded[2 + shown:], label_ids=[label.token_id for label in labels])
         # Every line once, each after a label and before the next label (or the reply): the joins the final
         # round will make. A tokenizer that merges across them (a leading space, say) cannot use pieces.

@@ -127,7 +127,7 @@ def final_round_branches(branches: Sequence[Branch], label_logprobs: Sequence[li
             within = option_distribution(rotations, len(first.option_names)).probabilities
             winners.append(max(rotations[0][0], key=within.__getitem__))  # type: ignore[arg-type]
         finals.append(first.model_copy(update={
-            "suffix_ids": final.suffix_ids(winners), "label_ids": final.label_ids[:len(winners)],
+            "suffix_ids": final.suffix_ids(winners), "label_ids": final.label_ids,
             "option_order": winners, "group": None}))
     return finals
 

@@ -86,7 +86,7 @@ def test_the_final_round_joins_its_pieces_into_the_winners_question(
     for _ in range(5):
         winners = [rnd.choice(group) for group in groups]
         assert final.suffix_ids(winners) == alone(compiler, {names[w]: criteria[names[w]] for w in winners})
-        assert final.most_tokens(len(groups)) >= len(final.suffix_ids(winners))
+        assert final.most_tokens >= len(final.suffix_ids(winners))
 
 
 def test_a_repeated_question_has_its_final_round_cut_once(compiler: PromptCompiler) -> None:
@@ -95,6 +95,9 @@ def test_a_repeated_question_has_its_final_round_cut_once(compiler: PromptCompil
     assert again is first
     other = compiler.compile(ask({**many_options(99), "Extra": "One more"}), group_size=26).final_rounds["q"]
     assert other is not first and len(other.line_ids) == 100
+    # The same question in groups of another size: a final round of another length, never the cached one.
+    more = compiler.compile(ask(many_options(100)), group_size=10).final_rounds["q"]
+    assert (first.groups, more.groups) == (4, 10) and len(more.label_ids) == 10
 
 
 def test_a_question_whose_pieces_do_not_join_is_asked_in_one_branch() -> None:
@@ -131,8 +134,8 @@ def test_debiased_groups_hold_the_same_options_whatever_the_order_sent(compiler:
 
 
 def test_grouped_probabilities_are_the_final_rounds_times_the_groups() -> None:
-    final = FinalRound(head_ids=[1], list_label_ids=[[2], [3]], line_ids=[[10], [11], [12], [13]], tail_ids=[4],
-                       label_ids=[20, 21])
+    final = FinalRound(groups=2, head_ids=[1], list_label_ids=[[2], [3]], line_ids=[[10], [11], [12], [13]],
+                       tail_ids=[4], label_ids=[20, 21])
     first = [Branch(question_id="q", kind="choice", suffix_ids=[0], label_ids=[20, 21], option_names=list("wxyz"),
                     option_order=order, group=g) for g, order in enumerate(([0, 1], [3, 2]))]
     logs = [[math.log(0.8), math.log(0.2)], [math.log(0.7), math.log(0.3)]]  # group 1 shows z (0.7) then y (0.3)
@@ -180,7 +183,7 @@ def test_the_job_carries_the_final_round_and_admission_charges_it(tmp_path: Path
     assert set(job.final_rounds) == {"q"} and len(job.branches) == 10
     final = job.final_rounds["q"]
     assert job.total_input_tokens == (len(job.prefix_ids) * 12 + sum(len(b.suffix_ids) for b in job.branches)
-                                      + final.most_tokens(10))
+                                      + final.most_tokens)
     # A total limit the groups fit in but the final round does not: refused before any GPU work.
     tight = Settings(option_group_size=26, cache_dir=tmp_path, max_total_input_tokens=job.total_input_tokens - 1)
     with pytest.raises(Exception, match="final round for grouped options"):
