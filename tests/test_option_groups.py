@@ -273,3 +273,21 @@ def test_a_deadline_in_the_final_round_aborts_it_in_the_engine(scripted: Stack) 
         assert time.monotonic() < deadline, "the final round was never aborted"
         time.sleep(0.1)
     assert scripted.engine_stats()["live"] == []
+
+
+@pytest.mark.integration
+def test_a_debiased_grouped_answer_does_not_depend_on_the_order_sent(cpu_stack: Stack) -> None:
+    criteria = {f"Team {name}": f"Handles {about}" for name, about in zip(
+        "ABCDEFGHIJ", ["refunds", "bugs", "sales", "law", "breaches", "parcels", "jobs", "press", "resellers",
+                       "offices"], strict=True)}
+    orders = [criteria, dict(reversed(criteria.items())), dict(random.Random(5).sample(list(criteria.items()), 10))]
+    answers = []
+    for order in orders:
+        body = grouped_body(order) | {"state": REFUND_STATE, "x_debias": True}
+        response = cpu_stack.post(body, timeout=300)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["output_tokens"] == 3 + 3 + 4 + 1 + 1  # rotated groups, final, warm
+        answers.append(response.json()["answers"]["q"])
+    for answer in answers[1:]:
+        assert answer["choice"] == answers[0]["choice"]
+        assert answer["probabilities"] == pytest.approx(answers[0]["probabilities"], abs=1e-5)
