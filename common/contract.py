@@ -112,7 +112,14 @@ class SystemOneRequest(_Lenient):
     x_option_group_size: StrictInt | None = Field(
         default=None, ge=0, description="openjev: ask each choice question with more options than this in two "
         "rounds, groups of this many options and then the groups' winners (for models that lose the thread in a "
-        "long list); 0: one branch per question. Omitted: the server's `OPENJEV_OPTION_GROUP_SIZE`.")
+        "long list); 0: one branch per question; 1 is refused (a group holds at least 2 options). Omitted: the "
+        "server's `OPENJEV_OPTION_GROUP_SIZE`.", json_schema_extra={"not": {"const": 1}})
+
+    @field_validator("x_option_group_size", mode="before")
+    @classmethod
+    def _integral_number(cls, size: Any) -> Any:
+        # JSON Schema's integer is any number without a fraction: 26.0 is 26. Strings stay refused.
+        return int(size) if isinstance(size, float) and size.is_integer() else size
 
     @field_validator("x_option_group_size")
     @classmethod

@@ -157,6 +157,13 @@ def test_a_group_size_of_one_is_refused() -> None:
         Settings(option_group_size=1)
     with pytest.raises(ValidationError, match="at least 2 options"):
         ask(many_options(3), x_option_group_size=1)
+    with pytest.raises(ValidationError, match="at least 2 options"):
+        ask(many_options(3), x_option_group_size=1.0)
+    with pytest.raises(ValidationError, match="valid integer"):
+        ask(many_options(3), x_option_group_size=2.5)
+    with pytest.raises(ValidationError, match="valid integer"):
+        ask(many_options(3), x_option_group_size="26")
+    assert ask(many_options(3), x_option_group_size=26.0).x_option_group_size == 26  # JSON Schema's integer
 
 
 def test_a_request_sets_its_own_group_size_over_the_servers(tmp_path: Path) -> None:
