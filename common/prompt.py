@@ -206,10 +206,8 @@ class PromptCompiler:
         branches = []
         for g, members in enumerate(groups):
             labels = self._alphabet.labels_for(len(members))
-            rotations = min(len(members), max_rotations)
-            shifts = sorted({(i * len(members)) // rotations for i in range(rotations)})
-            branches += [self._branch(question_id, question, options, labels, tail, members[s:] + members[:s], g)
-                         for s in shifts]
+            branches += [self._branch(question_id, question, options, labels, tail, order, g)
+                         for order in rotated(members, min(len(members), max_rotations))]
         return branches, final
 
     def _final_round(self, question_id: str, question: ChoiceQuestion, options: list[tuple[str, str]], tail: str,
@@ -370,8 +368,13 @@ def rotation_orders(question: ChoiceQuestion | ScoreQuestion, rotations: int) ->
     names = list(question.criteria) if isinstance(question, ChoiceQuestion) else None
     n = len(question.criteria)
     canonical = sorted(range(n), key=names.__getitem__) if names is not None else list(range(n))
-    shifts = sorted({(i * n) // rotations for i in range(rotations)})
-    return [canonical[s:] + canonical[:s] for s in shifts]
+    return rotated(canonical, rotations)
+
+
+def rotated(order: list[int], rotations: int) -> list[list[int]]:
+    """`rotations` cyclic shifts of `order`, spread evenly (as many as its length: every shift)."""
+    shifts = sorted({(i * len(order)) // rotations for i in range(rotations)})
+    return [order[s:] + order[:s] for s in shifts]
 
 
 def question_text(question: AnyQuestion, options: list[tuple[str, str]], labels: list[Label],
