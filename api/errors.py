@@ -58,6 +58,18 @@ class QueueUnavailable(ApiError):
         super().__init__("the job queue is unreachable; retry shortly", {"Retry-After": "2"})
 
 
+class SyncJobLost(ApiError):
+    """A sync request's job vanished from the queue while its caller waited (its Redis restarted
+    without it, or lost its data): nothing will answer it, and sending it again is safe."""
+
+    status = 503
+    error_type = "unavailable_error"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the queue lost this request's job ({job_id}) before it was answered (its Redis "
+                         "restarted without it); send the request again", {"Retry-After": "1"})
+
+
 class Overloaded(ApiError):
     status = 529
     error_type = "overloaded_error"

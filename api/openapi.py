@@ -31,10 +31,12 @@ _BODY_GATE = {
 }
 _AUTH = {401: "Wrong API key", 403: "Missing API key"}
 _QUEUE_DOWN = {503: "No live worker yet, or the job queue is unreachable; see Retry-After"}
+_SYNC_QUEUE_DOWN = {503: "No live worker yet, the job queue is unreachable, or it lost this request's job (its "
+                         "Redis restarted): see Retry-After, then send the request again"}
 _JOB_GONE = {404: "Unknown job, or its result expired",
              410: "The job was accepted and should still be kept, but the queue lost it: submit it again"}
 _EXTRA: dict[tuple[str, str], dict[int, str]] = {
-    ("post", "/v1/systemone"): {**_BODY_GATE, **_QUEUE_DOWN, 502: "The engine failed or answered something that "
+    ("post", "/v1/systemone"): {**_BODY_GATE, **_SYNC_QUEUE_DOWN, 502: "The engine failed or answered something that "
                                 "cannot be trusted", 504: "Deadline exceeded", 529: "Overloaded; see Retry-After"},
     ("post", "/v1/jobs"): {**_BODY_GATE, **_QUEUE_DOWN, 529: "Overloaded; see Retry-After",
                            200: "An idempotent replay: the job this Idempotency-Key already holds, as it stands now",

@@ -12,13 +12,15 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from arq.connections import ArqRedis
 from arq.jobs import serialize_job
-from redis.exceptions import RedisError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
 
-from api.errors import NoWorker, Overloaded, QueueUnavailable
+from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost
 from common.background import BackgroundWork
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
 from common.queue import keys
@@ -31,6 +33,8 @@ from common.settings import RoutingPolicy
 log = logging.getLogger("openjev.api")
 
 RECHECK_INTERVAL = 1.0  # seconds between record checks, in case a completion notice was missed
+AOF_WAIT = 3.0  # seconds an async job's 202 waits for its write to reach the append-only file (Redis: ≤ 2 s)
+AOF_POLL = 0.01  # seconds between looks at the file's size meanwhile
 
 
 class CompletionWaiter:
@@ -88,6 +92,7 @@ class JobQueue:
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
+        self.written = AppendOnlyFile(redis)
         self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
@@ -111,6 +116,9 @@ class JobQueue:
             placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, record,
                                                  SYNC_KEEP if sync else self.store.result_ttl, payload, idempotency)
         if placed.queue is not None or placed.held is not None:
+            if not sync:  # a held job too: the request that placed it may have been answered an instant ago
+                with _reachable():
+                    await self.written.wait()
             return Submitted(held=placed.held)
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
@@ -122,10 +130,10 @@ class JobQueue:
 
     async def run(self, job: EvaluationJob, timeout: float) -> JobOutcome | None:
         """Submit `job` as a sync job and wait for its outcome, which is then removed from Redis (no
-        one else can read it); None if `timeout` seconds pass first. The notice is expected before
-        the job is placed, so nothing is read before it arrives; a notice that carries the outcome is
-        the answer (the record is dropped after, off the request's path), any other sends the waiter
-        to the record."""
+        one else can read it); None if `timeout` seconds pass first; SyncJobLost if its record
+        vanishes meanwhile. The notice is expected before the job is placed, so nothing is read before
+        it arrives; a notice that carries the outcome is the answer (the record is dropped after, off
+        the request's path), any other sends the waiter to the record."""
         future = self.waiter.expect(job.id)
         try:
             await self.submit(job, sync=True)
@@ -141,7 +149,9 @@ class JobQueue:
                     return JobOutcome.model_validate_json(announced)
                 with _reachable():
                     status, outcome = await self.store.collect(job.id)
-                if status is None or outcome is not None:
+                if status is None:
+                    raise SyncJobLost(job.id)
+                if outcome is not None:
                     return outcome
         finally:
             self.waiter.forget(job.id, future)
@@ -184,6 +194,54 @@ class JobQueue:
                              http_status=http_status)
         with _reachable():
             return await self.store.cancel(job_id, outcome, after_deadline)
+
+
+class AppendOnlyFile:
+    """Redis's append-only file, as INFO reports it. Redis writes a command to the file before it
+    replies, except while its background fsync of the previous second is still running: then it keeps
+    the write in its buffer for up to 2 s and replies anyway, and a crash of Redis in that window loses
+    an acknowledged write (with another process writing and fsyncing on the same disk, 4–10 % of
+    acknowledged writes were not yet in the file: bench/RESULTS-durability.md). An async job's 202 is a promise
+    to answer it, so it waits here until the job's write is in the file."""
+
+    def __init__(self, redis: Redis, timeout: float = AOF_WAIT, poll: float = AOF_POLL) -> None:
+        self.redis = redis
+        self.timeout = timeout
+        self.poll = poll
+        self.readable = True  # False once INFO was refused (a managed Redis may forbid it)
+
+    async def wait(self) -> bool:
+        """Return once every write Redis acknowledged before this call is in its append-only file
+        (one INFO when nothing is buffered, as nearly always); True if so, False without an AOF, with
+        INFO refused, or after `timeout` s (logged: the job is accepted all the same)."""
+        info = await self._persistence()
+        if info is None or not info.get("aof_enabled"):
+            return False
+        # Everything executed before this INFO is in the file or in the buffer: written once the
+        # file has grown past both (or the buffer was seen empty; a rewrite may shrink the file).
+        written_at = info["aof_current_size"] + info["aof_buffer_length"]
+        give_up = time.monotonic() + self.timeout
+        while info["aof_buffer_length"] and info["aof_current_size"] < written_at:
+            if time.monotonic() > give_up:
+                log.warning("Redis kept a job's write out of its append-only file for %.1f s (a slow fsync); "
+                            "accepted anyway", self.timeout)
+                return False
+            await asyncio.sleep(self.poll)
+            info = await self._persistence()
+            if info is None:
+                return False
+        return True
+
+    async def _persistence(self) -> dict[str, Any] | None:
+        if not self.readable:
+            return None
+        try:
+            return await self.redis.info("persistence")
+        except ResponseError as exc:
+            self.readable = False
+            log.warning("Redis refuses INFO persistence (%s): async jobs are acknowledged without waiting "
+                        "for the append-only file", exc)
+            return None
 
 
 @contextlib.contextmanager
