@@ -33,7 +33,8 @@ from common.settings import RoutingPolicy
 log = logging.getLogger("openjev.api")
 
 RECHECK_INTERVAL = 1.0  # seconds between record checks, in case a completion notice was missed
-AOF_WAIT = 3.0  # seconds an async job's 202 waits for its write to reach the append-only file (Redis: ≤ 2 s)
+AOF_WAIT = 5.0  # seconds an async job's 202 waits for its write to reach the append-only file (Redis: 2 s on
+# its whole-seconds clock, so at most 3 s)
 AOF_POLL = 0.01  # seconds between looks at the file's size meanwhile
 
 
