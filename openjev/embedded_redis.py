@@ -21,6 +21,7 @@ import redis
 PASSWORD_FILE = "password"  # beside the data, mode 0600: the same password for every start on this dir
 LOCK_FILE = "lock"  # held while a Redis runs on the directory: two servers on one AOF would corrupt it
 LOG_FILE = "redis.log"
+PORT_FLOOR = 20000  # free_port chooses from here to the ephemeral range (32768 on Linux): clear of well-known ports
 START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which grows with the queue
 
 # What every Redis the project starts or describes runs with (compose.yaml says the same): writes
@@ -55,10 +56,32 @@ def find_redis_server() -> Path:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing is bound to right now, below the kernel's ephemeral range.
+    A port in that range is also handed to outgoing connections as their local port: one handed out
+    between this choice and the server's own bind takes the port from it (SGLang binds ~30 s after it
+    starts; a restarted Redis binds its old port again)."""
+    ceiling = ephemeral_ports()[0]
+    floor = PORT_FLOOR if ceiling - PORT_FLOOR >= 1000 else 1024
+    for _ in range(200):
+        port = secrets.randbelow(ceiling - floor) + floor
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: a crowded range; let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from (Linux's setting, else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def data_dir_password(data_dir: Path) -> str:

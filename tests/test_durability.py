@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from redis.asyncio import Redis as AsyncRedis
 from api.queue import AppendOnlyFile
 from bench.aof_window import in_file, start_stress
 from common.queue import keys
-from openjev.embedded_redis import RedisServer, free_port
+from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
 from tests.conftest import CPU_MODEL_NAME, stack_env
 from tests.processes import Proc, start_api, start_scripted_engine, start_worker
 from tests.test_api_contract import NOUL, body
@@ -292,6 +293,21 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
         assert (redis_dir / "password").read_text().strip() == password
     finally:
         stop_serve(again)
+
+
+def test_free_ports_come_from_below_the_range_outgoing_connections_take_theirs() -> None:
+    """A server's port is chosen, then bound later (SGLang ~30 s later, a restarted Redis after a
+    crash): a port from the ephemeral range can meanwhile become some outgoing connection's local
+    port, and the bind fails (a CI run's SGLang did, then hung). free_port picks below that range."""
+    low, high = ephemeral_ports()
+    ports = [free_port() for _ in range(20)]
+    assert all(PORT_FLOOR <= port < low for port in ports), ports
+    assert len(set(ports)) > 1  # chosen at random, not handed out in order
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname(), timeout=5) as outgoing:
+            assert low <= outgoing.getsockname()[1] <= high  # where the kernel takes local ports from
 
 
 def serve_redis_if_up(served: Served) -> int | None:
