@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from arq.connections import ArqRedis, RedisSettings, create_pool
 from fastapi import FastAPI
 
-from api.auth import KeyGate
+from api.auth import KeyGate, RateGate, TenantKeys
 from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.jobs import router as jobs_router
@@ -53,13 +54,17 @@ def build_preparer(settings: Settings) -> JobPreparer:
 
 
 def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastAPI:
-    """The openjev API. `preparer` may be injected (tests); otherwise it is built at startup."""
+    """The openjev API. `preparer` may be injected (tests); otherwise it is built at startup. A keys file
+    that cannot be used raises KeysFileError here, before anything is served."""
+    keys = TenantKeys.load(settings.api_keys_file,
+                           settings.api_key.get_secret_value() if settings.api_key is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = await create_pool(_redis_settings(settings), job_serializer=serialize, job_deserializer=deserialize)
         waiter = CompletionWaiter(redis)
         await waiter.start()
+        watching = asyncio.create_task(keys.watch(), name="keys-file")
         store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
         app.state.services = Services(
             settings=settings,
@@ -72,21 +77,25 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         try:
             yield
         finally:
+            watching.cancel()
             await app.state.services.queue.close()
             await waiter.stop()
             await redis.aclose()
 
     app = FastAPI(title="openjev", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    app.state.metrics = ApiMetrics()
+    app.state.metrics = ApiMetrics(lambda: keys.directory.names)
+    app.state.tenant_keys = keys
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(jobs_router)
     install_docs(app)
     install_openapi(app, settings)
-    # Outermost first: the request id, then the key (before any body is read), then the body gate.
+    # Outermost first: the request id, then the key and the tenant's rate (before any body is read), then the
+    # body gate.
     app.add_middleware(BodyGate, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
-    app.add_middleware(KeyGate, key=settings.api_key)
+    app.add_middleware(RateGate)
+    app.add_middleware(KeyGate, keys=keys)
     app.add_middleware(RequestContext)
     return app
 

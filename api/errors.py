@@ -70,6 +70,13 @@ class SyncJobLost(ApiError):
                          "restarted without it); send the request again", {"Retry-After": "1"})
 
 
+class TenantLimited(ApiError):
+    """The tenant is at one of its limits (common/tenants.py); other tenants are unaffected."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+
 class Overloaded(ApiError):
     status = 529
     error_type = "overloaded_error"

@@ -13,9 +13,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
+from api.queue import admission_of
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
-from common.jobs import JobStatus, job_created_at
+from common.jobs import JobStatus, Lane, job_created_at
 from common.queue.placement import IdempotencyClaim
 from common.queue.records import JobRecord
 
@@ -48,7 +50,8 @@ class IdempotencyConflict(ApiError):
 async def submit_job(request: Request, response: Response,
                      body: SystemOneRequest = Body(openapi_examples={"ticket": {"value": EXAMPLE_REQUEST}}),
                      idempotency_key: str | None = Header(default=None, max_length=200,
-                                                          description="Retries with the same key get the same job")
+                                                          description="Retries with the same key get the same job "
+                                                          "(keys are per tenant)")
                      ) -> Any:
     """Validates exactly like `/v1/systemone` (same 4xx before anything is queued), then queues the job."""
     services = request.app.state.services
@@ -57,9 +60,12 @@ async def submit_job(request: Request, response: Response,
                                   services.settings.job_timeout)
     request.state.job_id = job.id
     claim = None if idempotency_key is None else IdempotencyClaim(idempotency_key, _digest(body))
-    submitted = await services.queue.submit(job, idempotency=claim)
+    tenant = tenant_of(request.scope)
+    queued = admission_of(tenant, job, Lane(body.x_priority or Lane.batch), sync=False)
+    submitted = await services.queue.submit(job, queued, idempotency=claim)
     if submitted.held is not None:
         return _located(response, _view(await _held_job(request, submitted.held, claim)), status=200)
+    request.app.state.metrics.observe_acceptance(tenant.name, job.total_input_tokens)
     return _located(response, _view(await _record(request, job.id)), status=202)
 
 
@@ -91,10 +97,13 @@ async def cancel_job(request: Request, job_id: str) -> Any:
 
 
 async def _record(request: Request, job_id: str) -> JobRecord:
+    """The job's record, if the calling tenant owns it: another tenant's job is as unknown as a missing one."""
     services = request.app.state.services
     record = await services.queue.get(job_id)
     if record is None:
         raise _missing(job_id, services.settings.job_result_ttl)
+    if record.tenant != tenant_of(request.scope).name:
+        raise JobNotFound(_unknown(job_id))
     return record
 
 
@@ -105,7 +114,11 @@ def _missing(job_id: str, result_ttl: int) -> ApiError:
     if created is not None and created - CLOCK_SLACK <= time.time() < created + result_ttl - CLOCK_SLACK:
         return JobLost(f"job {job_id!r} was accepted at {_rfc3339(created)} and would still be kept, but the queue "
                        "has lost it (its Redis lost data); submit the request again")
-    return JobNotFound(f"no job {job_id!r} (unknown, or its result expired)")
+    return JobNotFound(_unknown(job_id))
+
+
+def _unknown(job_id: str) -> str:
+    return f"no job {job_id!r} (unknown, or its result expired)"
 
 
 async def _expire_if_overdue(request: Request, record: JobRecord) -> JobRecord:

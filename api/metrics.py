@@ -3,6 +3,8 @@ stages, outcomes), and, read from Redis at scrape time, the queue and every live
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from common.jobs import JobOutcome, JobStatus
@@ -24,8 +26,10 @@ WORKER_FIGURES = {  # WorkerCounters field -> help text
 class ApiMetrics:
     """One registry per app; recorded where the events happen, rendered on scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant_names: Callable[[], list[str]] = lambda: []) -> None:
+        """`tenant_names`: the tenants in force (the keys file's), the only values the tenant label takes."""
         self.registry = CollectorRegistry()
+        self.tenant_names = tenant_names
         r = self.registry
         self.requests = Counter("openjev_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
@@ -48,22 +52,45 @@ class ApiMetrics:
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "
                                     "(refused: it had ended or moved meanwhile), since the worker started",
                                     ["worker", "outcome"], registry=r)
+        self.tenant_requests = Counter("openjev_tenant_requests", "API requests (/v1/...) by tenant and status",
+                                       ["tenant", "status"], registry=r)
+        self.tenant_refusals = Counter("openjev_tenant_limited", "Requests refused with 429 by tenant and limit",
+                                       ["tenant", "limit"], registry=r)
+        self.tenant_prompt_tokens = Counter("openjev_tenant_prompt_tokens", "Prompt tokens of accepted jobs (sent to "
+                                            "the engine: warm + branches), by tenant", ["tenant"], registry=r)
+        self.tenant_cached_tokens = Counter("openjev_tenant_cached_tokens", "Branch tokens served from the prefix "
+                                            "cache for answered sync requests, by tenant", ["tenant"], registry=r)
+        self.tenant_queue_wait = Histogram("openjev_tenant_queue_wait_seconds", "Time answered sync requests waited "
+                                           "in the queue, by tenant", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.worker_figures = {
             name: Gauge(f"openjev_worker_{name}", text + " (since the worker started)", ["worker"], registry=r)
             for name, text in WORKER_FIGURES.items()}
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
+    def observe_request(self, route: str, status: int, seconds: float, tenant: str | None = None) -> None:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
+        if tenant is not None and route.startswith("/v1/") and tenant in self.tenant_names():
+            self.tenant_requests.labels(tenant, str(status)).inc()
+
+    def observe_refusal(self, tenant: str, limit: str) -> None:
+        """A request refused with 429 at one of its tenant's limits."""
+        self.tenant_refusals.labels(tenant, limit).inc()
+
+    def observe_acceptance(self, tenant: str, prompt_tokens: int) -> None:
+        """A job accepted onto the queue, sync or async, with the prompt tokens it will send."""
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
 
     def observe_ending(self, status: JobStatus) -> None:
         """A job this API ended (sync or async), counted where it ended."""
         self.outcomes.labels(status.value).inc()
 
-    def observe_delivery(self, outcome: JobOutcome, prepare_seconds: float) -> None:
+    def observe_delivery(self, outcome: JobOutcome, prepare_seconds: float, tenant: str) -> None:
         """A sync answer delivered: its stage timings and tokens."""
         if outcome.result is None:
             return
+        self.tenant_queue_wait.labels(tenant).observe(outcome.timings.queue)
+        if outcome.cached_tokens is not None:
+            self.tenant_cached_tokens.labels(tenant).inc(outcome.cached_tokens)
         t = outcome.timings
         for stage, seconds in (("queue", t.queue), ("prepare", prepare_seconds), ("prefill", t.prefill),
                                ("branches", t.branches)):

@@ -92,7 +92,8 @@ class RequestContext:
             route = getattr(scope.get("route"), "path", "unmatched")
             metrics = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
             if metrics is not None:
-                metrics.observe_request(route, status or 499, seconds)
+                tenant = state.get("tenant")
+                metrics.observe_request(route, status or 499, seconds, tenant.name if tenant is not None else None)
             if scope["path"] not in QUIET_PATHS:
                 log.info("request", extra={
                     "event": "request", "request_id": request_id, "job_id": state.get("job_id"),

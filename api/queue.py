@@ -20,15 +20,17 @@ from arq.jobs import serialize_job
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost
+from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost, TenantLimited
 from common.background import BackgroundWork
-from common.jobs import EvaluationJob, JobOutcome, JobStatus, serialize
+from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane, serialize
 from common.queue import keys
+from common.queue.limits import TenantLimiter
 from common.queue.membership import WorkerInfo, fleet
-from common.queue.placement import Dispatcher, IdempotencyClaim
+from common.queue.placement import Admission, Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
 from common.queue.subscriptions import Subscription
 from common.settings import RoutingPolicy
+from common.tenants import Tenant
 
 log = logging.getLogger("openjev.api")
 
@@ -83,6 +85,14 @@ class Submitted:
     held: str | None = None
 
 
+def admission_of(tenant: Tenant, job: EvaluationJob, lane: Lane, sync: bool) -> Admission:
+    """How `tenant`'s `job` queues: its limits, its weight, its lane and its cost in engine prompts."""
+    return Admission(tenant=tenant.name, lane=lane, sync=sync,
+                     prompts=1 + len(job.branches) + len(job.final_rounds), weight=tenant.weight,
+                     max_concurrent_jobs=tenant.limits.max_concurrent_jobs,
+                     max_queued_jobs=tenant.limits.max_queued_jobs)
+
+
 class JobQueue:
     """Places evaluation jobs on the routed worker's queue, waits for their outcome, ends them."""
 
@@ -93,6 +103,7 @@ class JobQueue:
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
+        self.limiter = TenantLimiter(redis)
         self.written = AppendOnlyFile(redis)
         self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
@@ -101,11 +112,13 @@ class JobQueue:
         with _reachable():
             return await fleet(self.redis)
 
-    async def submit(self, job: EvaluationJob, sync: bool = False,
+    async def submit(self, job: EvaluationJob, admission: Admission = Admission(),
                      idempotency: IdempotencyClaim | None = None) -> Submitted:
-        """Place `job` in one step (with its idempotency claim, if any). A sync job's record is kept
-        only briefly past its deadline: its caller collects it at once; an async one's for the result
-        TTL. The job is arq's, as `enqueue_job` writes it, under its placement's arq job id."""
+        """Place `job` in one step (with its idempotency claim, if any), as `admission` says: for its
+        tenant (429 at one of its limits), in its lane. A sync job's record is kept only briefly past its
+        deadline: its caller collects it at once; an async one's for the result TTL. The job is arq's, as
+        `enqueue_job` writes it, under its placement's arq job id."""
+        sync = admission.sync
         now_ms = int(time.time() * 1000)
         # The job is already JSON-shaped: pydantic-core writes it, orjson embeds it as is.
         payload = serialize_job(keys.JOB_FUNCTION, (orjson.Fragment(job.model_dump_json()),), {}, None, now_ms,
@@ -115,12 +128,17 @@ class JobQueue:
         remaining = job.remaining()
         with _reachable():
             placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, record,
-                                                 SYNC_KEEP if sync else self.store.result_ttl, payload, idempotency)
+                                                 SYNC_KEEP if sync else self.store.result_ttl, payload, idempotency,
+                                                 admission)
         if placed.queue is not None or placed.held is not None:
             if not sync:  # a held job too: the request that placed it may have been answered an instant ago
                 with _reachable():
                     await self.written.wait()
             return Submitted(held=placed.held)
+        if placed.limited is not None:
+            limit, value = placed.limited
+            raise TenantLimited(f"tenant {admission.tenant!r} is at its limit {limit} = {value}; retry once one of "
+                                "its jobs has ended", {"Retry-After": "1"})
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})
@@ -129,15 +147,17 @@ class JobQueue:
         raise Overloaded(f"every worker's queue would finish this request after its deadline "
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
-    async def run(self, job: EvaluationJob, timeout: float) -> JobOutcome | None:
-        """Submit `job` as a sync job and wait for its outcome, which is then removed from Redis (no
-        one else can read it); None if `timeout` seconds pass first; SyncJobLost if its record
+    async def run(self, job: EvaluationJob, timeout: float,
+                  admission: Admission = Admission(lane=Lane.interactive, sync=True)) -> JobOutcome | None:
+        """Submit `job` as a sync job (`admission`: whose, in which lane) and wait for its outcome, which
+        is then removed from Redis (no one else can read it); None if `timeout` seconds pass first;
+        SyncJobLost if its record
         vanishes meanwhile. The notice is expected before the job is placed, so nothing is read before
         it arrives; a notice that carries the outcome is the answer (the record is dropped after, off
         the request's path), any other sends the waiter to the record."""
         future = self.waiter.expect(job.id)
         try:
-            await self.submit(job, sync=True)
+            await self.submit(job, admission)
             give_up = time.monotonic() + timeout
             while True:
                 left = give_up - time.monotonic()

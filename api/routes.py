@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
+from api.queue import admission_of
 from common.contract import EXAMPLE_REQUEST, ModelList, SystemOneRequest, SystemOneResponse
-from common.jobs import EvaluationJob, JobOutcome, JobStatus
+from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane
+from common.queue.placement import Admission
 
 router = APIRouter()
 
@@ -32,23 +37,26 @@ async def systemone(request: Request,
                                   services.settings.request_timeout)
     prepare_seconds = time.perf_counter() - started
     request.state.job_id = job.id
-    outcome = await _run_unless_disconnected(request, job)
+    tenant = tenant_of(request.scope)
+    queued = admission_of(tenant, job, Lane(body.x_priority or Lane.interactive), sync=True)
+    outcome = await _run_unless_disconnected(request, job, queued)
     if outcome is None:
         await _end(request, job, JobStatus.expired, "timeout_error", "the request did not finish before its deadline",
                    504)
         raise DeadlineExceeded(f"no answer within {services.settings.request_timeout:g} s; the work was aborted")
-    request.app.state.metrics.observe_delivery(outcome, prepare_seconds)
+    request.app.state.metrics.observe_acceptance(tenant.name, job.total_input_tokens)
+    request.app.state.metrics.observe_delivery(outcome, prepare_seconds, tenant.name)
     if outcome.status is not JobStatus.succeeded or outcome.result is None:
         error = outcome.error or {"error_type": "api_error", "message": "the job ended without a result"}
         raise JobFailed(outcome.http_status or 500, error["error_type"], error["message"])
     return JSONResponse(outcome.result, headers=_result_headers(outcome, prepare_seconds))
 
 
-async def _run_unless_disconnected(request: Request, job: EvaluationJob) -> JobOutcome | None:
+async def _run_unless_disconnected(request: Request, job: EvaluationJob, admission: Admission) -> JobOutcome | None:
     """Submit the job and return its outcome; None past its deadline. A client that hangs up ends
     it as cancelled (499), once: ClientDisconnected carries that to the log and the metrics."""
     queue = request.app.state.services.queue
-    waiting = asyncio.create_task(queue.run(job, job.remaining()))
+    waiting = asyncio.create_task(queue.run(job, job.remaining(), admission))
     hangup = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -92,11 +100,13 @@ async def models(request: Request) -> ModelList:
                               "release_date": settings.model_release_date} for name in settings.listed_model_names])
 
 
-@router.get("/v1/limits", tags=["Operations"], summary="The admission limits in force")
+@router.get("/v1/limits", tags=["Operations"], summary="The admission limits in force, and your tenant's own")
 async def limits(request: Request) -> dict[str, Any]:
+    """The server's limits, the queue, and the calling tenant's own limits and usage (no other tenant's)."""
     services = request.app.state.services
     s = services.settings
     return {
+        "tenant": await _tenant_state(request),
         "max_questions": s.max_questions,
         "max_options": services.preparer.max_options,
         "max_input_tokens": s.max_input_tokens,
@@ -108,6 +118,24 @@ async def limits(request: Request) -> dict[str, Any]:
         "job_timeout_s": s.job_timeout,
         **await _queue_state(request),
     }
+
+
+async def _tenant_state(request: Request) -> dict[str, Any]:
+    tenant = tenant_of(request.scope)
+    limits = tenant.limits
+    state: dict[str, Any] = {
+        "name": tenant.name, "weight": tenant.weight,
+        "limits": {"requests_per_minute": limits.requests_per_minute,
+                   "max_concurrent_jobs": limits.max_concurrent_jobs, "max_queued_jobs": limits.max_queued_jobs}}
+    try:
+        usage = await request.app.state.services.queue.limiter.usage(tenant.name)
+    except (RedisError, OSError):
+        return {**state, "usage": None}
+    per_minute = limits.requests_per_minute
+    state["usage"] = {"jobs": usage.jobs, "queued_or_running_async_jobs": usage.async_jobs,
+                      "requests_remaining": None if per_minute is None else
+                      max(0, per_minute - math.ceil(usage.rate_used_ms * per_minute / 60_000))}
+    return state
 
 
 async def _queue_state(request: Request) -> dict[str, Any]:

@@ -114,6 +114,10 @@ class SystemOneRequest(_Lenient):
         "rounds, groups of this many options and then the groups' winners (for models that lose the thread in a "
         "long list); 0: one branch per question; 1 is refused (a group holds at least 2 options). Omitted: the "
         "server's `OPENJEV_OPTION_GROUP_SIZE`.", json_schema_extra={"not": {"const": 1}})
+    x_priority: Literal["interactive", "batch"] | None = Field(
+        default=None, description="openjev: the lane the job queues in. `interactive` (someone is waiting) starts "
+        "before queued `batch` work; batch work is passed for at most 30 s of fair-queue time, never starved. "
+        "Omitted: interactive for /v1/systemone, batch for /v1/jobs.")
 
     @field_validator("x_option_group_size", mode="before")
     @classmethod

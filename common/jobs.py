@@ -33,6 +33,13 @@ class JobStatus(StrEnum):
         return self not in (JobStatus.queued, JobStatus.running)
 
 
+class Lane(StrEnum):
+    """Which work a worker starts first. Within a lane, tenants share by weight (common/queue/placement.py)."""
+
+    interactive = "interactive"  # someone is waiting: every sync request, and async jobs that ask for it
+    batch = "batch"  # nobody is waiting on this one job: the default for async jobs
+
+
 class Branch(BaseModel):
     """One question: the tokens after the shared prefix, and how to read its label logprobs."""
 

@@ -102,7 +102,10 @@ class Settings(BaseSettings):
                                      "distribution.")
 
     # Secrets: never logged.
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(default=None, description="One tenant's Bearer key (the `default` tenant).")
+    api_keys_file: Path | None = Field(
+        default=None, description="A TOML file of tenants (`[tenants.NAME]` with `key` or `key_sha256`, limits and "
+        "weight; common/tenants.py), re-read when it changes or on SIGHUP. Instead of OPENJEV_API_KEY.")
     backend_api_key: SecretStr | None = None
 
     # Routing jobs to workers (common/routing.py).

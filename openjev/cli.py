@@ -162,9 +162,14 @@ def _api(args: argparse.Namespace) -> int:
     from api import server
     from api.app import create_app
     from api.front_door import uvicorn_options
+    from common.tenants import KeysFileError
 
     settings = get_settings()
-    server.run(create_app(settings), host=args.host, port=args.port, log_level="warning",
+    try:
+        app = create_app(settings)
+    except KeysFileError as exc:
+        raise SystemExit(f"openjev api: {exc}") from None
+    server.run(app, host=args.host, port=args.port, log_level="warning",
                timeout_graceful_shutdown=5, **uvicorn_options(settings))
     return 0
 

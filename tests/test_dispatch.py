@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from common.queue import keys
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
-from common.queue.placement import SKEW_ALLOWANCE_MS, Dispatcher, IdempotencyClaim, Placement
+from common.queue.placement import FAIR_ORIGIN_MS, Dispatcher, IdempotencyClaim, Placement
 from common.routing import admit, prefix_key, round_robin, route_job
 from common.settings import RoutingPolicy
 
@@ -112,15 +112,16 @@ async def test_a_placed_job_is_recorded_and_enqueued_in_arqs_layout_on_redis_tim
     assert 115 <= await redis.ttl(keys.ARQ_JOB + "job_x.1") <= 120
     (entry, score), = await redis.zrange(info.queue, 0, -1, withscores=True)
     assert entry == b"job_x.1"
-    # arq's score in whole ms from Redis's clock; created_at is the same instant as a float (1 ms of rounding)
-    assert abs(score - (placed.created_at * 1000 - SKEW_ALLOWANCE_MS)) <= 1
+    # arq's score: the job's fair start (0: the first on an idle queue) less the fair origin, due on any clock
+    assert score == -FAIR_ORIGIN_MS and score < time.time() * 1000 - 3600_000
+    assert await redis.hget(keys.job_key("job_x"), "fair_start") == b"0"
 
 
 async def test_an_idempotency_key_is_claimed_with_the_placement_and_only_then(redis: Redis) -> None:
     dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
     claim = IdempotencyClaim("retry-me", "d1")
     assert (await place(dispatcher, "job_early", "k", 30.0, claim)).no_worker
-    assert not await redis.exists(keys.idempotency_key("retry-me"))  # nothing placed, nothing held
+    assert not await redis.exists(keys.idempotency_key("default", "retry-me"))  # nothing placed, nothing held
     info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
                       started_at=time.time())
     await heartbeat(redis, info)

@@ -2,7 +2,14 @@
 cancelled, instead of at arq's next poll. The scripts that queue, move and cancel placements publish
 on the queue's wake channel (common/queue/keys.py); this listener hands a new placement to arq's own
 `Worker.start_jobs`, which claims it exactly as arq's poll does (arq's in-progress key makes a second
-start of the same job a no-op), and stops a cancelled one through `RunningJobs`.
+start of the same job a no-op), and stops a cancelled one through `RunningJobs`. When every job slot is
+busy, announced placements wait here and the lowest score goes first as a slot frees, the order arq's
+poll takes them in: the score carries the lane and the tenant's fair share (common/queue/placement.py),
+so a sync request is started before a batch backlog announced earlier.
+
+This hop drives arq's `start_jobs`, `job_counter`, `max_jobs`, `tasks` and `allow_pick_jobs` from outside
+arq's loop: no documented arq call starts a given job at once, and the module is the one place that
+does it (arq is pinned exactly; tests/test_arq_surface.py checks that surface).
 
 A missed message costs latency, never a job: arq's poll (OPENJEV_WORKER_POLL_DELAY) finds the same
 jobs and abort marks, so that poll can be slow and an idle worker nearly free (bench/RESULTS.md)."""
@@ -11,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 
 from arq import Worker
@@ -35,7 +44,9 @@ class WakeUps:
         self._subscription = Subscription(redis, keys.wake_channel(queue), self._handle,
                                           fallback="arq's poll carries on", log=log, retry_delay=1.0,
                                           max_retry_delay=MAX_RESUBSCRIBE_DELAY)
-        self._due: asyncio.Queue[bytes] = asyncio.Queue()
+        self._due: list[tuple[float, int, bytes]] = []  # (score, arrival, arq job id): a heap, lowest score first
+        self._arrivals = itertools.count()
+        self._announced = asyncio.Event()
         self._starter: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -58,19 +69,24 @@ class WakeUps:
         await self._subscription.close()
 
     def _handle(self, data: bytes) -> None:
-        verb, _, arq_job_id = data.partition(b" ")
+        verb, _, rest = data.partition(b" ")
         if verb == b"job":
-            self._due.put_nowait(arq_job_id)
+            arq_job_id, _, score = rest.partition(b" ")
+            heapq.heappush(self._due, (float(score) if score else float("inf"), next(self._arrivals), arq_job_id))
+            self._announced.set()
         elif verb == b"abort":
             # arq drops the abort mark as it finishes the placement
-            self.running.stop(arq_job_id.decode(), StopReason.cancelled)
+            self.running.stop(rest.decode(), StopReason.cancelled)
 
     async def _start_due(self) -> None:
-        """One placement at a time, in the order they were queued, each once a job slot is free; the
-        listener stays free to act on cancellations meanwhile."""
+        """One placement at a time, each once a job slot is free: of those announced by then, the lowest
+        score; the listener stays free to act on cancellations meanwhile."""
         while True:
-            arq_job_id = await self._due.get()
+            while not self._due:
+                self._announced.clear()
+                await self._announced.wait()
             await self._free_slot()
+            _, _, arq_job_id = heapq.heappop(self._due)
             if not self.worker.allow_pick_jobs:
                 continue
             try:

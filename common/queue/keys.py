@@ -59,9 +59,25 @@ def job_key(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}"
 
 
-def idempotency_key(key: str) -> str:
-    """"<job id>:<body digest>" of the job submitted under a client's `Idempotency-Key`."""
-    return f"{PREFIX}idem:{key}"
+def idempotency_key(tenant: str, key: str) -> str:
+    """"<job id>:<body digest>" of the job `tenant` submitted under its `Idempotency-Key` (keys are per tenant)."""
+    return f"{PREFIX}idem:{tenant}:{key}"
+
+
+def interactive_key(queue: str) -> str:
+    """Zset: the interactive-lane jobs queued on `queue` and not yet started (arq job id -> deadline, Redis
+    seconds), so admission counts only the jobs an interactive job really waits behind."""
+    return queue + ":interactive"
+
+
+TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
+
+
+def tenant_key(tenant: str, suffix: str) -> str:
+    """A tenant's own key: "jobs" (zset: its jobs not yet ended, job id -> deadline), "async" (the same for
+    its async jobs), "rate" (its rate limiter's theoretical arrival time, ms) or "clock:<lane>" (the fair
+    start, ms, its next job in that lane gets)."""
+    return f"{TENANT_PREFIX}{tenant}:{suffix}"
 
 
 def placement_id(job_id: str, placement: int) -> str:

@@ -58,8 +58,13 @@ if not payload or ttl <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= '
 local new = ARGV[5] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
 redis.call('SET', ARGV[2] .. new, payload, 'PX', ttl)
 redis.call('ZADD', KEYS[4], score, new)
+if redis.call('ZREM', KEYS[3] .. ':interactive', ARGV[1]) == 1 then
+  local deadline = redis.call('HGET', KEYS[1], 'deadline_at')
+  redis.call('ZADD', KEYS[4] .. ':interactive', deadline, new)
+  if redis.call('PTTL', KEYS[4] .. ':interactive') < ttl then redis.call('PEXPIRE', KEYS[4] .. ':interactive', ttl) end
+end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
-redis.call('PUBLISH', KEYS[4] .. 'WAKE_SUFFIX', 'job ' .. new)
+redis.call('PUBLISH', KEYS[4] .. 'WAKE_SUFFIX', 'job ' .. new .. ' ' .. score)
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
 

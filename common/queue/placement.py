@@ -1,15 +1,26 @@
-"""Submission in one step, inside Redis: one script claims the client's idempotency key (if any),
-reads the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its
-small routing hash; queue lengths), picks the worker, checks that it can finish the job before its
-deadline, and writes the job record, arq's job and the queue entry, and wakes the worker (its
-queue's wake channel). One round trip per submit; no
-two API replicas can route on the same stale queue lengths, and a key is never held by a job that
-was not placed. Times are Redis's (TIME): the record's deadline is the one every worker obeys.
+"""Submission in one step, inside Redis: one script claims the client's idempotency key (if any, per
+tenant), checks the tenant's limits (its jobs not yet ended, sync and async), reads the fleet (fresh
+heartbeats; each worker's engine state, capacity and job time from its small routing hash; queue
+lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
+record, arq's job and the queue entry at the job's score, and wakes the worker (its queue's wake
+channel). One round trip per submit; no two API replicas can route on the same stale queue lengths,
+and a key is never held by a job that was not placed. Times are Redis's (TIME): the record's deadline
+is the one every worker obeys.
 
-The rules are those of `common/routing.py` (the reference, also used by recovery), carried out in
-Lua: rendezvous ranking by sha1(key NUL worker id), the bounded-load walk over jobs waiting for a
-slot (⌈c·(total + 1)/n⌉), then admission by `WorkerInfo.expected_finish`. tests/test_dispatch.py
-holds the two to the same choices."""
+The score is the order jobs start in (arq's poll takes the lowest first; so does the wake-up starter,
+worker/wakeups.py). Between tenants it is start-time fair queuing (Goyal et al. 1996) per worker queue:
+the queue's virtual time is the fair start of the job it started last, and a tenant's clock in a lane,
+never behind that virtual time, moves on by each job's prompts / the tenant's weight; so a tenant
+with a backlog is interleaved with another tenant's newer jobs, in proportion to their weights, instead
+of served first. Interactive jobs (sync requests, and async jobs that ask) go before batch work by
+INTERACTIVE_LEAD_MS of fair time, which bounds how long batch work can be passed: a batch job waits
+behind no interactive job whose fair start is that much later than its own, so with each tenant's
+interactive clock moving on by every job it sends, batch work never starves.
+
+The routing rules are those of `common/routing.py` (the reference, also used by recovery), carried out
+in Lua: rendezvous ranking by sha1(key NUL worker id), the bounded-load walk over jobs waiting for a
+slot (⌈c·(total + 1)/n⌉), then admission by `WorkerInfo.expected_finish` (an interactive job counts
+only the interactive jobs queued ahead of it). tests/test_dispatch.py holds the two to the same choices."""
 
 from __future__ import annotations
 
@@ -17,20 +28,29 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from common.jobs import Lane
 from common.queue import keys
 from common.queue.membership import LIVENESS_WINDOW
 from common.settings import RoutingPolicy
+from common.tenants import DEFAULT_TENANT
 
-SKEW_ALLOWANCE_MS = 60_000  # queue scores are Redis's time less this: arq takes a job once its score is
-# past on the worker's own clock, so a worker whose clock lags Redis's still sees new jobs as due
+FAIR_ORIGIN_MS = 10**15  # scores are fair starts (virtual ms from 0) less this: far below any clock's ms, so every
+# queued job is due at once and arq's poll, which takes the lowest scores first, starts them in fair order (fair
+# starts would need centuries of full load to reach it; a float holds them exactly up to 2**53)
+INTERACTIVE_LEAD_MS = 30_000  # an interactive job is queued as if its fair start were this much earlier: it goes
+# before batch work, but never before a batch job whose fair start is this much earlier than its own
+PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt (warm call + branches), at weight 1
+CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
 
-# KEYS[1] workers zset. ARGV: 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key,
+# KEYS[1] workers zset. ARGV (see `_args`): 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key,
 # 5 load factor, 6 seconds the job may take, 7 round robin counter key, 8 job id, 9 record key,
 # 10 record ttl past the deadline (s), 11 arq job key prefix, 12 arq payload, 13 idempotency key ('' for
-# none), 14 its value's digest, 15 queue score offset (ms), 16 ... record field/value pairs.
+# none), 14 its value's digest, 15 tenant, 16 clock ttl (s), 17 lane, 18 the job's fair cost (virtual ms,
+# weighted), 19 max concurrent jobs (0: no limit), 20 max queued async jobs (0: no limit), 21 'async' or 'sync',
+# 22 fair origin (ms), 23 interactive lead (ms), 24 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at} | {'held', "<job id>:<digest>"} (the idempotency key is
-#      taken) | {'none'} (no worker with a fresh heartbeat and a healthy engine)
-#      | {'overloaded', seconds until the soonest worker could finish it}.
+#      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'none'} (no worker with a
+#      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
 _SUBMIT = """
 if ARGV[13] ~= '' then
   local held = redis.call('GET', ARGV[13])
@@ -38,6 +58,21 @@ if ARGV[13] ~= '' then
 end
 local t = redis.call('TIME')
 local now, window = t[1] + t[2] / 1e6, tonumber(ARGV[1])
+local interactive = ARGV[17] == 'interactive'
+
+local tenant_jobs, tenant_async = 'TENANT_PREFIX' .. ARGV[15] .. ':jobs', 'TENANT_PREFIX' .. ARGV[15] .. ':async'
+redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
+local max_jobs, max_queued = tonumber(ARGV[19]), tonumber(ARGV[20])
+if max_jobs > 0 and redis.call('ZCARD', tenant_jobs) >= max_jobs then
+  return {'limited', 'max_concurrent_jobs', max_jobs}
+end
+if ARGV[21] == 'async' then
+  redis.call('ZREMRANGEBYSCORE', tenant_async, '-inf', now)
+  if max_queued > 0 and redis.call('ZCARD', tenant_async) >= max_queued then
+    return {'limited', 'max_queued_jobs', max_queued}
+  end
+end
+
 local workers, weight = {}, {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')) do
   local f = redis.call('HMGET', ARGV[2] .. id, 'queue', 'engine_ok', 'max_jobs', 'running', 'avg_job_seconds')
@@ -75,8 +110,14 @@ else
   end
 end
 
+-- An interactive job waits only behind the interactive jobs queued there (it goes before batch work).
 local function expected_finish(w)
-  local ahead = w.length + math.max(0, w.running - w.max_jobs + 1)
+  local queued = w.length
+  if interactive then
+    redis.call('ZREMRANGEBYSCORE', w.queue .. ':interactive', '-inf', now)
+    queued = redis.call('ZCARD', w.queue .. ':interactive')
+  end
+  local ahead = queued + math.max(0, w.running - w.max_jobs + 1)
   return (ahead / w.max_jobs + 1) * w.avg_job_seconds
 end
 local remaining = tonumber(ARGV[6])
@@ -92,18 +133,34 @@ for _, w in ipairs(ranked) do
 end
 if not target then return {'overloaded', tostring(soonest)} end
 
+-- Start-time fair queuing on the target's queue: its virtual time is the fair start of the job it started
+-- last (records.py `start`); a tenant's clock in a lane says where its next job starts, never behind the
+-- queue's virtual time, and each job moves it on by its cost.
+local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[17] .. ':' .. ARGV[15]
+local start = math.max(tonumber(redis.call('GET', vclock) or 0), tonumber(redis.call('GET', clock) or 0))
+redis.call('SET', clock, tostring(start + tonumber(ARGV[18])), 'EX', ARGV[16])
+local score = start - tonumber(ARGV[22]) - (interactive and tonumber(ARGV[23]) or 0)
+
 local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
-redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placements', 1,
-           'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 16))
+redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
+           'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 24))
 redis.call('EXPIRE', ARGV[9], ttl)
 redis.call('SET', ARGV[11] .. arq_id, ARGV[12], 'EX', ttl)
-redis.call('ZADD', target.queue, math.floor(now * 1000) - tonumber(ARGV[15]), arq_id)
-redis.call('PUBLISH', target.queue .. 'WAKE_SUFFIX', 'job ' .. arq_id)
+redis.call('ZADD', target.queue, score, arq_id)
+if interactive then redis.call('ZADD', target.queue .. ':interactive', deadline, arq_id) end
+redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
+if ARGV[21] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
+local bounded = {tenant_jobs, tenant_async}
+if interactive then bounded[3] = target.queue .. ':interactive' end
+for _, key in ipairs(bounded) do
+  if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl) end
+end
+redis.call('PUBLISH', target.queue .. 'WAKE_SUFFIX', 'job ' .. arq_id .. ' ' .. score)
 if ARGV[13] ~= '' then redis.call('SET', ARGV[13], ARGV[8] .. ':' .. ARGV[14], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline)}
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace("TENANT_PREFIX", keys.TENANT_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -118,6 +175,24 @@ class Placement:
     held: str | None = None
     no_worker: bool = False
     soonest: float | None = None
+    limited: tuple[str, int] | None = None  # the tenant's limit it is at: (its name, its value)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Whose job it is and how it queues: the tenant (its limits and weight) and the lane."""
+
+    tenant: str = DEFAULT_TENANT
+    lane: Lane = Lane.batch
+    sync: bool = False  # a sync request's job (its caller waits) rather than an async job
+    prompts: int = 1  # engine prompts the job sends (warm call + branches): its cost in fair queuing
+    weight: float = 1.0  # the tenant's share against other tenants'
+    max_concurrent_jobs: int | None = None  # the tenant's jobs not yet ended, sync and async
+    max_queued_jobs: int | None = None  # the tenant's async jobs not yet ended
+
+    @property
+    def fair_cost_ms(self) -> float:
+        return self.prompts * PROMPT_COST_MS / self.weight
 
 
 @dataclass(frozen=True)
@@ -140,22 +215,28 @@ class Dispatcher:
 
     async def place(self, job_id: str, route_key: str, remaining: float, record: dict[str, str],
                     keep_after_deadline: int, arq_payload: bytes,
-                    idempotency: IdempotencyClaim | None = None) -> Placement:
-        """Route the job by `route_key` and, if some worker can finish it within `remaining`
-        seconds, write `record` (plus its queue, placement and times), which lives until
-        `keep_after_deadline` seconds past the deadline, and arq's job, and queue it. With
-        `idempotency`, nothing is placed when the key is already held; otherwise it is claimed."""
-        fields = [item for pair in record.items() for item in pair]
+                    idempotency: IdempotencyClaim | None = None, admission: Admission = Admission()) -> Placement:
+        """Route the job by `route_key` and, if its tenant is within its limits and some worker can
+        finish it within `remaining` seconds, write `record` (plus its queue, placement, times and
+        tenant), which lives until `keep_after_deadline` seconds past the deadline, and arq's job, and
+        queue it in its lane at its fair start. With `idempotency`, nothing is placed when the tenant's
+        key is already held; otherwise it is claimed."""
+        fields = [item for pair in {**record, "tenant": admission.tenant}.items() for item in pair]
+        tenant = admission.tenant
         reply = await self._submit(keys=[keys.WORKERS], args=[
             LIVENESS_WINDOW, keys.route_info_key(""), self.routing.value, route_key, repr(self.load_factor),
             repr(remaining), keys.ROUND_ROBIN_TURN, job_id, keys.job_key(job_id), keep_after_deadline,
-            keys.ARQ_JOB, arq_payload, keys.idempotency_key(idempotency.key) if idempotency else "",
-            idempotency.digest if idempotency else "", SKEW_ALLOWANCE_MS, *fields])
+            keys.ARQ_JOB, arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
+            idempotency.digest if idempotency else "", tenant, CLOCK_TTL, admission.lane.value,
+            repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
+            "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, *fields])
         verdict = reply[0]
         if verdict == b"ok":
             return Placement(queue=reply[1].decode(), created_at=float(reply[2]), deadline_at=float(reply[3]))
         if verdict == b"held":
             return Placement(held=reply[1].decode())
+        if verdict == b"limited":
+            return Placement(limited=(reply[1].decode(), int(reply[2])))
         if verdict == b"none":
             return Placement(no_worker=True)
         return Placement(soonest=float(reply[1]))

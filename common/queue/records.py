@@ -18,6 +18,8 @@ from redis.exceptions import RedisError
 
 from common.jobs import JobOutcome, JobStatus
 from common.queue import keys
+from common.queue.placement import CLOCK_TTL
+from common.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("openjev.queue")
 
@@ -28,17 +30,36 @@ NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
 
 # KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
-# job has not ended; then it is running here and the reply is {created_at, deadline_at, now} by Redis's
-# clock. A
-# running job is taken again only by its own placement (the worker that serves its queue restarted).
+# job has not ended; then it is running here (no longer waiting in its queue's interactive lane, and its
+# fair start is the queue's virtual time if later, common/queue/placement.py) and the
+# reply is {created_at, deadline_at, now} by Redis's clock. A running job is taken again only by its own
+# placement (the worker that serves its queue restarted).
 _START = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now))
+if f[5] then
+  redis.call('ZREM', f[5] .. ':interactive', ARGV[1])
+  local vclock = f[5] .. ':vclock'
+  if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
+    redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
+  end
+end
 return {f[3], f[4], tostring(now)}
-"""
+""".replace("CLOCK_TTL", str(CLOCK_TTL))
+
+
+def _leave_tenant_counts(tenant: str, job_id: str) -> str:
+    """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`: Lua
+    expressions for the record's tenant field and the job id)."""
+    return f"""
+if {tenant} then
+  redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':jobs', {job_id})
+  redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id})
+end"""
+
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
@@ -47,10 +68,11 @@ return {f[3], f[4], tostring(now)}
 # reader, the request waiting for it, then answers without reading the record back (and drops it,
 # `forget`); the record stays the truth for a waiter that missed the notice.
 _STORE = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by', 'tenant')
 if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
+END_FOR_TENANT
 redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
 if f[3] == 'sync' and #ARGV[3] <= NOTICE_OUTCOME_MAX then
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
@@ -58,7 +80,8 @@ else
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
 end
 return 1
-""".replace("SYNC_KEEP", str(SYNC_KEEP)).replace("NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX))
+""".replace("SYNC_KEEP", str(SYNC_KEEP)).replace("NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
+    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]"))
 
 # KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
 # mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
@@ -67,11 +90,13 @@ return 1
 # wake-up saying so; marks older than any job can live are trimmed: the set holds only marks that can
 # still matter.
 _CANCEL = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue', 'tenant')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 if tonumber(ARGV[6]) >= 0 and now < tonumber(f[4]) + tonumber(ARGV[6]) then return 0 end
+END_FOR_TENANT
+if f[5] then redis.call('ZREM', f[5] .. ':interactive', f[2]) end
 if f[3] == 'sync' then
   redis.call('DEL', KEYS[1])
 else
@@ -84,7 +109,8 @@ redis.call('ZADD', KEYS[2], now_ms, f[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - tonumber(ARGV[5]))
 if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
 return 1
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
+    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]"))
 
 # KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
 _COLLECT = """
@@ -115,6 +141,7 @@ class JobRecord:
     queue: str
     worker: str | None
     outcome: JobOutcome | None
+    tenant: str = DEFAULT_TENANT  # who submitted it: only they may read or cancel it
 
 
 class JobStore:
@@ -201,4 +228,5 @@ def _record(job_id: str, fields: dict[str, Any]) -> JobRecord:
         queue=fields.get("queue", ""),
         worker=fields.get("worker"),
         outcome=JobOutcome.model_validate(orjson.loads(outcome)) if outcome else None,
+        tenant=fields.get("tenant", DEFAULT_TENANT),
     )

@@ -1,0 +1,130 @@
+"""Tenants in the queue (common/queue/placement.py, records.py, limits.py) on a real Redis: the order jobs
+start in (fair shares between tenants, interactive before batch, weights), limits on a tenant's jobs not
+yet ended, its rate, and idempotency keys per tenant."""
+
+from __future__ import annotations
+
+import time
+
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from common.jobs import JobOutcome, JobStatus, Lane
+from common.queue import keys
+from common.queue.limits import TenantLimiter
+from common.queue.membership import WorkerInfo, heartbeat
+from common.queue.placement import INTERACTIVE_LEAD_MS, Admission, Dispatcher, IdempotencyClaim, Placement
+from common.queue.records import JobStore
+from common.settings import RoutingPolicy
+
+QUEUE = keys.queue_name("solo")
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def dispatcher(redis: Redis) -> Dispatcher:
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      started_at=time.time()))
+    return Dispatcher(redis, 1.25, RoutingPolicy.hash)
+
+
+async def place(dispatcher: Dispatcher, job_id: str, admission: Admission,
+                idempotency: IdempotencyClaim | None = None) -> Placement:
+    record = {"status": "queued", "request_id": "req_t", "kind": "sync" if admission.sync else "async"}
+    return await dispatcher.place(job_id, "k", 60.0, record, 600, b"{}", idempotency, admission)
+
+
+async def start_order(redis: Redis) -> list[str]:
+    """The queue's jobs in the order they start: lowest score first, as arq's poll takes them."""
+    return [keys.job_of(entry.decode()) for entry in await redis.zrange(QUEUE, 0, -1)]
+
+
+async def test_a_second_tenants_first_job_starts_before_the_first_tenants_backlog(redis: Redis,
+                                                                                 dispatcher: Dispatcher) -> None:
+    for n in range(20):
+        assert (await place(dispatcher, f"job_a{n}", Admission(tenant="a", prompts=4))).queue == QUEUE
+    for n in range(3):
+        assert (await place(dispatcher, f"job_b{n}", Admission(tenant="b", prompts=4))).queue == QUEUE
+    order = await start_order(redis)
+    # b's jobs start at b's own fair times: interleaved with a's from a's second job on, not after all 20
+    assert [order.index(f"job_b{n}") for n in range(3)] == [1, 3, 5]
+    assert [job for job in order if job.startswith("job_a")] == [f"job_a{n}" for n in range(20)]  # a's in order
+
+
+async def test_weights_share_the_queue_in_proportion(redis: Redis, dispatcher: Dispatcher) -> None:
+    for n in range(12):
+        await place(dispatcher, f"job_heavy{n}", Admission(tenant="heavy", weight=2.0))
+        await place(dispatcher, f"job_light{n}", Admission(tenant="light", weight=1.0))
+    first = (await start_order(redis))[:12]
+    assert sum(job.startswith("job_heavy") for job in first) == 8  # two of every three, by weight 2 : 1
+
+
+async def test_interactive_work_starts_before_a_batch_backlog_but_only_within_its_lead(
+        redis: Redis, dispatcher: Dispatcher) -> None:
+    for n in range(10):
+        await place(dispatcher, f"job_batch{n}", Admission(tenant="a"))
+    await place(dispatcher, "job_sync", Admission(tenant="a", lane=Lane.interactive, sync=True))
+    await place(dispatcher, "job_other", Admission(tenant="b", lane=Lane.interactive))
+    assert set((await start_order(redis))[:2]) == {"job_sync", "job_other"}
+    scores = dict(await redis.zrange(QUEUE, 0, -1, withscores=True))
+    lead = scores[b"job_batch0.1"] - scores[b"job_sync.1"]
+    assert lead == INTERACTIVE_LEAD_MS  # both tenants' first jobs start at the queue's virtual time: the lead apart
+    assert await redis.zcard(keys.interactive_key(QUEUE)) == 2  # what an interactive job's admission counts
+
+
+async def test_a_tenant_that_was_away_starts_at_the_queues_virtual_time_not_at_its_old_clock(
+        redis: Redis, dispatcher: Dispatcher) -> None:
+    store = JobStore(redis, result_ttl=60)
+    for n in range(6):
+        await place(dispatcher, f"job_a{n}", Admission(tenant="a"))
+    for n in range(4):  # the worker starts a's first four: the queue's virtual time moves to a3's fair start
+        assert await store.start(f"job_a{n}.1", "solo") is not None
+    await place(dispatcher, "job_b", Admission(tenant="b"))
+    waiting = [job for job in await start_order(redis) if job not in {f"job_a{n}" for n in range(4)}]
+    assert waiting[0] == "job_b" or waiting[:2] == ["job_a4", "job_b"]  # next, not after a's backlog
+
+
+async def test_a_tenant_at_its_concurrency_limit_is_refused_until_a_job_ends(redis: Redis,
+                                                                            dispatcher: Dispatcher) -> None:
+    limited = Admission(tenant="a", max_concurrent_jobs=2)
+    assert (await place(dispatcher, "job_1", limited)).queue
+    assert (await place(dispatcher, "job_2", limited)).queue
+    assert (await place(dispatcher, "job_3", limited)).limited == ("max_concurrent_jobs", 2)
+    assert (await place(dispatcher, "job_b", Admission(tenant="b", max_concurrent_jobs=2))).queue  # b unaffected
+    assert not await redis.exists(keys.job_key("job_3"))  # nothing of a refused job is written
+    store = JobStore(redis, result_ttl=60)
+    assert await store.start("job_1.1", "solo") is not None
+    assert await store.store("job_1.1", JobOutcome(status=JobStatus.succeeded, result={}), time.monotonic() + 5)
+    assert (await place(dispatcher, "job_3", limited)).queue  # one ended: room again
+    assert await store.cancel("job_2", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
+                                                                                    "message": "m"}))
+    assert (await TenantLimiter(redis).usage("a")).jobs == 1  # a cancelled job leaves the count too
+
+
+async def test_queued_async_jobs_are_limited_apart_from_sync_ones(redis: Redis, dispatcher: Dispatcher) -> None:
+    limited = Admission(tenant="a", max_queued_jobs=1)
+    assert (await place(dispatcher, "job_async", limited)).queue
+    assert (await place(dispatcher, "job_more", limited)).limited == ("max_queued_jobs", 1)
+    sync = Admission(tenant="a", lane=Lane.interactive, sync=True, max_queued_jobs=1)
+    assert (await place(dispatcher, "job_sync", sync)).queue  # a sync request is no queued async job
+    usage = await TenantLimiter(redis).usage("a")
+    assert (usage.jobs, usage.async_jobs) == (2, 1)
+
+
+async def test_the_same_idempotency_key_in_two_tenants_names_two_jobs(redis: Redis, dispatcher: Dispatcher) -> None:
+    claim = IdempotencyClaim("ticket-42", "d1")
+    assert (await place(dispatcher, "job_a", Admission(tenant="a"), claim)).queue
+    assert (await place(dispatcher, "job_b", Admission(tenant="b"), claim)).queue
+    assert (await place(dispatcher, "job_a2", Admission(tenant="a"), claim)).held == "job_a:d1"
+    assert await redis.hget(keys.job_key("job_b"), "tenant") == b"b"
+
+
+async def test_the_rate_limit_allows_a_burst_then_one_request_per_interval(redis: Redis) -> None:
+    limiter = TenantLimiter(redis)
+    decisions = [await limiter.admit("a", 3) for _ in range(4)]
+    assert [d.allowed for d in decisions] == [True, True, True, False]
+    assert [d.remaining for d in decisions[:3]] == [2, 1, 0]
+    refused = decisions[3]
+    assert 0 < refused.retry_after <= 20.0  # one request per 60 / 3 s comes back
+    assert refused.headers()["Retry-After"] in {str(n) for n in range(1, 21)}
+    assert refused.headers()["RateLimit-Limit"] == "3" and refused.headers()["RateLimit-Remaining"] == "0"
+    assert (await limiter.admit("b", 3)).allowed  # another tenant's budget is its own
