@@ -162,7 +162,8 @@ class RateGate:
             await self.app(scope, receive, send)
             return
         try:
-            decision = await scope["app"].state.services.queue.limiter.admit(tenant.name, per_minute)
+            decision = await scope["app"].state.services.queue.limiter.admit(tenant.name, per_minute,
+                                                                             tenant.limits.burst)
         except (RedisError, OSError):
             down = QueueUnavailable()
             scope["state"]["error_type"] = down.error_type

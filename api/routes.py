@@ -125,7 +125,7 @@ async def _tenant_state(request: Request) -> dict[str, Any]:
     limits = tenant.limits
     state: dict[str, Any] = {
         "name": tenant.name, "weight": tenant.weight,
-        "limits": {"requests_per_minute": limits.requests_per_minute,
+        "limits": {"requests_per_minute": limits.requests_per_minute, "burst": limits.burst,
                    "max_concurrent_jobs": limits.max_concurrent_jobs, "max_queued_jobs": limits.max_queued_jobs}}
     try:
         usage = await request.app.state.services.queue.limiter.usage(tenant.name)
@@ -134,7 +134,7 @@ async def _tenant_state(request: Request) -> dict[str, Any]:
     per_minute = limits.requests_per_minute
     state["usage"] = {"jobs": usage.jobs, "queued_or_running_async_jobs": usage.async_jobs,
                       "requests_remaining": None if per_minute is None else
-                      max(0, per_minute - math.ceil(usage.rate_used_ms * per_minute / 60_000))}
+                      max(0, (limits.burst or per_minute) - math.ceil(usage.rate_used_ms * per_minute / 60_000))}
     return state
 
 

@@ -4,7 +4,8 @@ the keys file (`OPENJEV_API_KEYS_FILE`, TOML, one `[tenants.NAME]` table each), 
 
     [tenants.search]
     key = "sk-search-..."                 # or key_sha256 = "<hex of sha256(key)>", so the file holds no key
-    requests_per_minute = 600             # submissions (POST /v1/systemone, POST /v1/jobs); burst up to it
+    requests_per_minute = 600             # submissions (POST /v1/systemone, POST /v1/jobs), refilled evenly
+    burst = 50                            # how many of them may come at once (default: requests_per_minute)
     max_concurrent_jobs = 64              # jobs not yet ended, sync and async
     max_queued_jobs = 10000               # async jobs not yet ended
     weight = 2                            # share of queued work against other tenants' (default 1)
@@ -26,7 +27,7 @@ from typing import Any
 DEFAULT_TENANT = "default"  # the tenant of OPENJEV_API_KEY, and of every caller when no key is set
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a metrics label and a Redis key part: no ':' or spaces
 MIN_KEY_LENGTH = 16
-LIMIT_FIELDS = ("requests_per_minute", "max_concurrent_jobs", "max_queued_jobs")
+LIMIT_FIELDS = ("requests_per_minute", "burst", "max_concurrent_jobs", "max_queued_jobs")
 FIELDS = frozenset({"key", "key_sha256", "weight", "operator", *LIMIT_FIELDS})
 
 
@@ -39,6 +40,7 @@ class TenantLimits:
     """A tenant's limits; None: unlimited."""
 
     requests_per_minute: int | None = None
+    burst: int | None = None  # submissions at once (None: requests_per_minute)
     max_concurrent_jobs: int | None = None
     max_queued_jobs: int | None = None
 
@@ -155,6 +157,8 @@ def _tenant(name: str, table: Any, text: str, where: str) -> Tenant:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise fault(f"`{field}` must be a whole number of at least 1 (leave it out for no limit)")
         limits[field] = value
+    if limits["burst"] is not None and limits["requests_per_minute"] is None:
+        raise fault("`burst` needs `requests_per_minute`")
     weight = table.get("weight", 1)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
         raise fault("`weight` must be a number above 0 and at most 1000")

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-TRANSIENT_STATUSES = frozenset({503, 529})  # starting up, or shedding load: both say "try again"
+TRANSIENT_STATUSES = frozenset({429, 503, 529})  # the tenant's rate, starting up, or shedding load: "try again"
 TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
 OFFICIAL_MAX_OPTIONS = 255
-RETRY_FOR_S = 60.0  # how long one check keeps retrying 503/529 once the server has been ready
+RETRY_FOR_S = 60.0  # how long one check keeps retrying 429/503/529 once the server has been ready
 JOB_WAIT_S = 30  # the longest `wait` the jobs API accepts per poll
 
 REFUND_STATE = "Hi, I was charged twice for my March invoice. Please give me my money back."
@@ -89,14 +89,15 @@ class Outcome:
 
 
 class SmokeClient:
-    """HTTP to the server under test: bearer auth, and bounded retries while it answers 503 or 529."""
+    """HTTP to the server under test: bearer auth, and bounded retries while it answers 429, 503 or 529."""
 
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout, follow_redirects=True)
 
     def send(self, method: str, path: str, retry_for: float = RETRY_FOR_S, **kwargs: Any) -> Exchange:
-        """One request, retried on 503/529 and connection errors for up to `retry_for` seconds."""
+        """One request, retried on 429/503/529 (after their Retry-After) and connection errors for up to
+        `retry_for` seconds."""
         deadline = time.monotonic() + retry_for
         attempts = 0
         while True:

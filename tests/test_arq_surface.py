@@ -1,5 +1,7 @@
 """arq is used as its authors meant: no subclass of its Worker, no override of its methods, no
-`_`-prefixed arq name anywhere in the project, and the dependency allows the current arq release."""
+`_`-prefixed arq name anywhere in the project; and since the queue writes arq's job layout itself
+(common/queue/placement.py) and worker/wakeups.py drives `Worker.start_jobs`, arq is pinned exactly and
+the installed release is checked to read what the queue writes."""
 
 from __future__ import annotations
 
@@ -71,8 +73,39 @@ def test_no_underscore_name_of_arq_is_imported_or_used() -> None:
     assert offenders == []
 
 
-def test_the_arq_requirement_allows_the_installed_current_release() -> None:
+def test_arq_and_uvicorn_are_pinned_exactly_to_the_installed_releases() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    [arq] = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "arq"]
-    assert arq.specifier.contains(version("arq"))
-    assert not any(s.operator in ("<", "<=", "==", "~=") for s in arq.specifier)  # no cap below newer releases
+    for name in ("arq", "uvicorn"):
+        [requirement] = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == name]
+        assert [s.operator for s in requirement.specifier] == ["=="], requirement  # a new release is a reviewed bump
+        assert requirement.specifier.contains(version(name))
+
+
+async def test_the_installed_arq_reads_the_job_layout_the_queue_writes(redis) -> None:
+    """A job placed by the queue's own script is, to arq's public reader, a queued job of the evaluate
+    function with the job as its one argument, under the placement's arq job id."""
+    import time
+
+    import orjson
+    from arq.connections import ArqRedis
+    from arq.jobs import serialize_job
+
+    from common.jobs import deserialize, serialize
+    from common.queue import keys
+    from common.queue.membership import WorkerInfo, heartbeat
+    from common.queue.placement import Dispatcher
+    from common.settings import RoutingPolicy
+
+    queue = keys.queue_name("layout")
+    await heartbeat(redis, WorkerInfo(id="layout", queue=queue, model="m", max_jobs=1, max_branches=1,
+                                      started_at=time.time()))
+    payload = serialize_job(keys.JOB_FUNCTION, (orjson.Fragment(b'{"id": "job_layout"}'),), {}, None, 123,
+                            serializer=serialize)
+    placed = await Dispatcher(redis, 1.25, RoutingPolicy.hash).place("job_layout", "k", 30.0, {"status": "queued"},
+                                                                      60, payload)
+    assert placed.queue == queue
+    arq = ArqRedis(redis.connection_pool, job_deserializer=deserialize)
+    [job] = await arq.queued_jobs(queue_name=queue)
+    assert job.function == keys.JOB_FUNCTION and list(job.args) == [{"id": "job_layout"}] and job.kwargs == {}
+    assert job.job_id == keys.placement_id("job_layout", 1) and job.job_try is None
+    assert job.score is not None and job.score < time.time() * 1000  # due at once on any worker's clock

@@ -7,6 +7,7 @@ file's own rules are checked without processes."""
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ KEY_A = "tenant-a-key-0123456789"
 KEY_B = "tenant-b-key-0123456789"
 KEY_C = "tenant-c-key-0123456789"
 KEY_D = "tenant-d-key-0123456789"
+KEY_E = "tenant-e-key-0123456789"
 KEYS_FILE = f"""
 [tenants.alpha]
 key = "{KEY_A}"
@@ -41,6 +43,11 @@ key_sha256 = "{hashlib.sha256(KEY_B.encode()).hexdigest()}"
 
 [tenants.delta]
 key = "{KEY_D}"
+
+[tenants.epsilon]
+key = "{KEY_E}"
+requests_per_minute = 60
+burst = 1
 """
 
 
@@ -53,11 +60,11 @@ def auth(key: str) -> dict[str, str]:
 def test_a_keys_file_gives_each_tenant_its_key_limits_and_weight() -> None:
     directory = TenantDirectory(parse_keys_file(KEYS_FILE + "weight = 3\n", "keys.toml"))
     alpha, beta = directory.authenticate(KEY_A.encode()), directory.authenticate(KEY_B.encode())
-    delta = directory.authenticate(KEY_D.encode())
+    last = directory.authenticate(KEY_E.encode())  # the file's last table: the appended weight is its
     assert alpha is not None and alpha.name == "alpha" and alpha.operator
     assert alpha.limits.requests_per_minute == 5 and alpha.limits.max_concurrent_jobs is None
     assert beta is not None and beta.name == "beta" and beta.weight == 1.0 and not beta.operator  # by its sha256
-    assert delta is not None and delta.weight == 3.0
+    assert last is not None and last.weight == 3.0 and last.limits.burst == 1
     assert directory.authenticate(b"tenant-a-key-012345678") is None  # a prefix of a key is no key
     assert directory.authenticate(KEY_A.encode() + b"9") is None
 
@@ -147,7 +154,7 @@ def test_the_same_idempotency_key_in_two_tenants_makes_two_jobs(tenant_stack: St
 def test_limits_show_a_tenant_its_own_limits_and_usage(tenant_stack: Stack) -> None:
     got = httpx.get(tenant_stack.url + "/v1/limits", headers=auth(KEY_B), timeout=30).json()
     assert got["tenant"]["name"] == "beta"
-    assert got["tenant"]["limits"] == {"requests_per_minute": None, "max_concurrent_jobs": None,
+    assert got["tenant"]["limits"] == {"requests_per_minute": None, "burst": None, "max_concurrent_jobs": None,
                                        "max_queued_jobs": None}
     assert "alpha" not in str(got)
     assert set(got["tenant"]["usage"]) == {"jobs", "queued_or_running_async_jobs", "requests_remaining"}
@@ -242,3 +249,26 @@ def test_a_second_tenants_jobs_start_among_the_first_tenants_backlog(tenant_stac
     # beta's 40 were queued first; delta's first job waited for a slot to free, not for beta's backlog
     assert len(passed) <= 3, (len(passed), sum(times[job][1] > submitted for job in first))
     assert max(times[job][1] for job in second) < max(times[job][1] for job in first)
+
+
+def test_batch_and_smoke_wait_out_a_429_and_get_through(tenant_stack: Stack, tmp_path: Path) -> None:
+    from openjev.batch import BatchOptions, run_batch
+    from openjev.smoke import SmokeClient
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("".join(json.dumps(f"epsilon ticket {n}") + "\n" for n in range(6)))
+    questions = tmp_path / "questions.json"
+    questions.write_text(json.dumps({"q": NOUL}))
+    output = tmp_path / "out.jsonl"
+    # one submission at a time, one a second: four in flight at once meet 429s, which batch waits out
+    code = run_batch(BatchOptions(input=lines, output=output, url=tenant_stack.url, questions=questions,
+                                  concurrency=4, api_key=KEY_E, progress=False))
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert code == 0 and all("result" in r for r in records), records
+    client = SmokeClient(tenant_stack.url, KEY_E, 30)
+    assert submit(tenant_stack, KEY_E).status_code == 429  # batch's last submission was less than a second ago
+    try:
+        exchange = client.send("POST", "/v1/jobs", json=body())
+    finally:
+        client.close()
+    assert exchange.response.status_code == 202 and exchange.attempts >= 2  # a 429 first, then through

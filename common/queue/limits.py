@@ -47,7 +47,7 @@ class RateDecision:
     """One submission against a per-minute limit, with what the RateLimit headers report."""
 
     allowed: bool
-    limit: int  # requests per minute (the burst)
+    limit: int  # requests per minute
     remaining: int  # requests that could be sent at once now
     retry_after: float  # seconds until one more is allowed (0 when allowed)
     reset: float  # seconds until the whole burst is available again
@@ -77,12 +77,14 @@ class TenantLimiter:
         self._admit = redis.register_script(_ADMIT)
         self._usage = redis.register_script(_USAGE)
 
-    async def admit(self, tenant: str, per_minute: int) -> RateDecision:
-        """Count one submission of `tenant` against `per_minute` (a burst of up to that many, refilled evenly)."""
+    async def admit(self, tenant: str, per_minute: int, burst: int | None = None) -> RateDecision:
+        """Count one submission of `tenant` against `per_minute`, refilled evenly, up to `burst` at once
+        (None: `per_minute`)."""
         interval = MINUTE_MS / per_minute
         allowed, remaining, retry_ms, reset_ms = await self._admit(
-            keys=[keys.tenant_key(tenant, "rate")], args=[repr(interval), per_minute])
-        return RateDecision(bool(allowed), per_minute, int(remaining), int(retry_ms) / 1000, int(reset_ms) / 1000)
+            keys=[keys.tenant_key(tenant, "rate")], args=[repr(interval), burst or per_minute])
+        return RateDecision(bool(allowed), per_minute, int(remaining), float(retry_ms) / 1000,
+                            float(reset_ms) / 1000)
 
     async def usage(self, tenant: str) -> TenantUsage:
         jobs, async_jobs, rate_ms = await self._usage(keys=[
