@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api.auth import is_protected
+from api.auth import SUBMISSIONS, is_protected
 from common.contract import INTEGER_RANGE
 from common.settings import Settings
 
@@ -63,12 +63,16 @@ def openapi_schema(app: FastAPI, settings: Settings) -> dict[str, Any]:
     """FastAPI's schema of the routes, completed with what the settings and the middleware decide."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     _limit_request(schema["components"]["schemas"], settings)
-    if settings.api_key is not None:
+    if _keyed(settings):
         schema["components"]["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
             _complete(operation, method, path, settings)
     return schema
+
+
+def _keyed(settings: Settings) -> bool:
+    return settings.api_key is not None or settings.api_keys_file is not None
 
 
 def _limit_request(components: dict[str, Any], settings: Settings) -> None:
@@ -101,9 +105,11 @@ def _regex_literal(text: str) -> str:
 def _complete(operation: dict[str, Any], method: str, path: str, settings: Settings) -> None:
     responses = operation.setdefault("responses", {})
     extra = dict(_EXTRA.get((method, path), {}))
-    if settings.api_key is not None and is_protected(path):
+    if _keyed(settings) and is_protected(path):
         operation["security"] = [{BEARER: []}]
         extra |= _AUTH
+    if settings.api_keys_file is not None and method == "post" and path in SUBMISSIONS:
+        extra[429] = "The tenant is at one of its limits (keys file); see Retry-After"
     for status, description in extra.items():
         body = _VALIDATION if status == 422 else _JOB if status == 200 else _ERROR
         responses[str(status)] = {"description": description, "content": {"application/json": {"schema": body}}}

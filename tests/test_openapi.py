@@ -95,3 +95,12 @@ def test_api_help_names_the_front_door_settings_it_enforces() -> None:
     for name in names:
         assert name in Settings.model_fields
         assert f"OPENJEV_{name.upper()}" in " ".join(shown.split()), name
+
+
+def test_a_keys_file_declares_bearer_security_and_the_tenants_429(tmp_path) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text('[tenants.a]\nkey = "k-0123456789abcdef"\nrequests_per_minute = 5\n')
+    paths = schema(api_keys_file=keys_file)["paths"]
+    for path in ("/v1/systemone", "/v1/jobs"):
+        assert "429" in paths[path]["post"]["responses"] and paths[path]["post"]["security"]
+    assert "429" not in schema()["paths"]["/v1/systemone"]["post"]["responses"]
