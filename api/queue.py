@@ -27,6 +27,7 @@ from common.queue import keys
 from common.queue.membership import WorkerInfo, fleet
 from common.queue.placement import Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
+from common.queue.replication import ReplicaCopy
 from common.queue.subscriptions import Subscription
 from common.settings import RoutingPolicy
 
@@ -94,6 +95,7 @@ class JobQueue:
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
         self.written = AppendOnlyFile(redis)
+        self.copied = ReplicaCopy(redis)
         self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
@@ -120,6 +122,7 @@ class JobQueue:
             if not sync:  # a held job too: the request that placed it may have been answered an instant ago
                 with _reachable():
                     await self.written.wait()
+                    await self.copied.wait()  # a failover keeps what a replica has
             return Submitted(held=placed.held)
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
