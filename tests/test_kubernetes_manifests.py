@@ -278,7 +278,12 @@ def test_the_sentinel_redis_keeps_the_readme_rules_on_persistent_volumes() -> No
                  "requirepass $REDIS_PASSWORD", "masterauth $REDIS_PASSWORD", "exec redis-server - <<CONF"):
         assert rule in start, rule
     sentinel = scripts["data"]["start-sentinel.sh"]
-    assert "requirepass $REDIS_PASSWORD" in sentinel and "sentinel auth-pass openjev $REDIS_PASSWORD" in sentinel
+    for rule in ("requirepass $REDIS_PASSWORD", "sentinel sentinel-pass $REDIS_PASSWORD",  # to each other
+                 "sentinel auth-pass openjev $REDIS_PASSWORD"):
+        assert rule in sentinel, rule
     assert "sentinel monitor openjev $master 6379 2" in sentinel
     for each in containers(spec["template"]["spec"]):
         assert not any("$REDIS_PASSWORD" in arg for arg in each["command"])  # never on a command line
+    for name, text in scripts["data"].items():
+        checked = subprocess.run(["/bin/sh", "-n"], input=text, capture_output=True, text=True, timeout=10)
+        assert checked.returncode == 0, (name, checked.stderr)

@@ -11,6 +11,7 @@ sentinel resolve-hostnames yes
 sentinel announce-hostnames yes
 sentinel announce-ip $self
 requirepass $REDIS_PASSWORD
+sentinel sentinel-pass $REDIS_PASSWORD
 sentinel monitor openjev $master 6379 2
 sentinel auth-pass openjev $REDIS_PASSWORD
 sentinel down-after-milliseconds openjev 5000
