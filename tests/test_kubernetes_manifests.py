@@ -287,3 +287,44 @@ def test_the_sentinel_redis_keeps_the_readme_rules_on_persistent_volumes() -> No
     for name, text in scripts["data"].items():
         checked = subprocess.run(["/bin/sh", "-n"], input=text, capture_output=True, text=True, timeout=10)
         assert checked.returncode == 0, (name, checked.stderr)
+
+
+def run_pod_script(script: str, scripts: dict[str, str], tmp_path: Path, pod: str, sentinels_name: str | None) -> str:
+    """Run one of the Redis pod's start scripts with stand-ins for `hostname`, `redis-cli` (the Sentinels'
+    answer) and `redis-server` (prints the configuration it was given); returns that configuration."""
+    bin_dir, mounted = tmp_path / "bin", tmp_path / "scripts"
+    for folder in (bin_dir, mounted, tmp_path / "sentinel"):
+        folder.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        text = text.replace("/scripts/", f"{mounted}/").replace("/sentinel/", f"{tmp_path}/sentinel/")
+        (mounted / name).write_text(text)
+    fakes = {"hostname": f'echo "{pod}"',
+             "redis-cli": f'printf "%s\\n%s\\n" "{sentinels_name}" 6379' if sentinels_name else "exit 1",
+             "redis-server": 'if [ "$1" = - ]; then cat; else cat "$1"; fi'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(["/bin/sh", str(mounted / script)], capture_output=True, text=True, timeout=30, check=True,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": "pw"})
+    return done.stdout
+
+
+@pytest.mark.parametrize(("pod", "sentinels_name", "master"), [
+    ("openjev-redis-0", None, None),  # first start: pod 0 is the master
+    ("openjev-redis-1", None, "openjev-redis-0.openjev-redis"),
+    ("openjev-redis-0", "openjev-redis-2.openjev-redis", "openjev-redis-2.openjev-redis"),  # after a failover
+    ("openjev-redis-2", "openjev-redis-2.openjev-redis", None),
+], ids=["first start, pod 0", "first start, pod 1", "pod 0 after a failover", "the promoted pod restarts"])
+def test_a_redis_pod_starts_as_a_replica_of_the_master_the_sentinels_name(
+        pod: str, sentinels_name: str | None, master: str | None, tmp_path: Path) -> None:
+    [scripts] = [doc["data"] for doc in objects("sentinel", "ConfigMap")
+                 if doc["metadata"]["name"].startswith("openjev-redis-scripts-")]
+    redis_config = run_pod_script("start-redis.sh", scripts, tmp_path, pod, sentinels_name).splitlines()
+    assert "requirepass pw" in redis_config and "appendonly yes" in redis_config
+    assert [line for line in redis_config if line.startswith("replicaof")] == (
+        [f"replicaof {master} 6379"] if master else [])
+    sentinel_config = run_pod_script("start-sentinel.sh", scripts, tmp_path, pod, sentinels_name).splitlines()
+    monitored = master or f"{pod}.openjev-redis"
+    assert f"sentinel monitor openjev {monitored} 6379 2" in sentinel_config
+    assert f"sentinel announce-ip {pod}.openjev-redis" in sentinel_config
+    assert oct((tmp_path / "sentinel" / "sentinel.conf").stat().st_mode & 0o777) == "0o600"  # it holds the password
