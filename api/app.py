@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.connections import ArqRedis
 from fastapi import FastAPI
 
 from api.auth import KeyGate, RateGate, TenantKeys
@@ -21,9 +21,9 @@ from api.openapi import install_openapi
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from api.routes import router
-from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
 from common.queue.records import JobStore
+from common.redis_connection import redis_connection, wait_reachable
 from common.settings import Settings
 
 DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
@@ -61,7 +61,8 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = await create_pool(_redis_settings(settings), job_serializer=serialize, job_deserializer=deserialize)
+        redis = redis_connection(settings)
+        await wait_reachable(redis)
         waiter = CompletionWaiter(redis)
         await waiter.start()
         watching = asyncio.create_task(keys.watch(), name="keys-file")
@@ -98,9 +99,3 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
     app.add_middleware(KeyGate, keys=keys)
     app.add_middleware(RequestContext)
     return app
-
-
-def _redis_settings(settings: Settings) -> RedisSettings:
-    redis_settings = RedisSettings.from_dsn(settings.redis_url)
-    redis_settings.conn_timeout = 2
-    return redis_settings

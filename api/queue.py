@@ -28,6 +28,7 @@ from common.queue.limits import TenantLimiter
 from common.queue.membership import WorkerInfo, fleet
 from common.queue.placement import Admission, Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
+from common.queue.replication import ReplicaCopy
 from common.queue.subscriptions import Subscription
 from common.settings import RoutingPolicy
 from common.tenants import Tenant
@@ -105,6 +106,7 @@ class JobQueue:
         self.dispatcher = Dispatcher(redis, load_factor, routing)
         self.limiter = TenantLimiter(redis)
         self.written = AppendOnlyFile(redis)
+        self.copied = ReplicaCopy(redis)
         self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
@@ -134,6 +136,7 @@ class JobQueue:
             if not sync:  # a held job too: the request that placed it may have been answered an instant ago
                 with _reachable():
                     await self.written.wait()
+                    await self.copied.wait()  # a failover keeps what a replica has
             return Submitted(held=placed.held)
         if placed.limited is not None:
             limit, value = placed.limited

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.connections import ArqRedis
 
 from api.preparation import JobPreparer
 from api.queue import CompletionWaiter, JobQueue
 from common.contract import SystemOneRequest
-from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL, WorkerCounters, live_workers
 from common.queue.records import JobStore
+from common.redis_connection import redis_connection
 from common.routing import prefix_key, rank_workers
 from common.settings import RoutingPolicy, Settings
 from common.tokenizer import load_tokenizer
@@ -170,7 +170,7 @@ async def wait_for_workers(redis: ArqRedis, count: int, timeout: float = 120.0) 
 
 async def bench(args: argparse.Namespace, redis_url: str, engines: list[Proc], env: dict[str, str],
                 preparer: JobPreparer, log_dir: Path, workers: list[Proc]) -> list[PhaseResult]:
-    redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
+    redis = redis_connection(Settings(_env_file=None, redis_url=redis_url))  # type: ignore[call-arg]
     waiter = CompletionWaiter(redis)
     await waiter.start()
     store = JobStore(redis, 3600)

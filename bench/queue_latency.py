@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from arq.connections import RedisSettings, create_pool
 from redis.asyncio import Redis
 
 from api.preparation import JobPreparer
@@ -35,11 +34,11 @@ from api.queue import CompletionWaiter, JobQueue
 from bench.awake import awake_cores
 from bench.cpu_cost import cpu_seconds
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
-from common.jobs import deserialize, serialize
 from common.prompt import PromptCompiler
 from common.queue import keys
 from common.queue.membership import live_workers
 from common.queue.records import JobStore
+from common.redis_connection import redis_connection
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
 from openjev.embedded_redis import start_redis
@@ -73,7 +72,7 @@ async def measure(concurrency: int, requests: int, run_one) -> list[float]:
 @contextlib.asynccontextmanager
 async def queue_client(redis_url: str) -> AsyncIterator[JobQueue]:
     """What POST /v1/systemone places jobs with: a JobQueue with its completion waiter, closed after."""
-    redis = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize, job_deserializer=deserialize)
+    redis = redis_connection(Settings(_env_file=None, redis_url=redis_url))  # type: ignore[call-arg]
     waiter = CompletionWaiter(redis)
     await waiter.start()
     queue = JobQueue(redis, JobStore(redis, 600), waiter)

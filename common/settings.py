@@ -121,6 +121,13 @@ class Settings(BaseSettings):
     # Plumbing.
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: SecretStr | None = Field(
+        default=None, description="Redis's password when OPENJEV_REDIS_URL carries none (e.g. from a Kubernetes "
+        "Secret); a password in the URL wins. With Sentinels it opens the Sentinels too.")
+    redis_sentinels: Annotated[list[tuple[str, int]], NoDecode] = Field(
+        default_factory=list, description="host:port,... of the Sentinels that name the Redis master; when set, "
+        "OPENJEV_REDIS_URL gives only the password and database, and every process follows a failover.")
+    redis_sentinel_master: str = Field(default="openjev", description="The master's name at the Sentinels.")
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(
@@ -155,6 +162,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else [a.strip() for a in text.split(",") if a.strip()]
+        return value
+
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _split_sentinels(cls, value: object) -> object:
+        if isinstance(value, str):
+            pairs = [item.strip().rsplit(":", 1) for item in value.split(",") if item.strip()]
+            if any(len(pair) != 2 or not pair[1].isdigit() for pair in pairs):
+                raise ValueError("Sentinels are host:port pairs separated by commas")
+            return [(host, int(port)) for host, port in pairs]
         return value
 
     @field_validator("option_group_size")

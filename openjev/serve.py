@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from common.redis_connection import redis_address
 from common.settings import Settings
 from openjev.embedded_redis import DataDirInUse, RedisServer, free_port
 from worker.runner import EXIT_ENGINE_DOWN
@@ -133,10 +134,11 @@ class Supervisor:
     def _redis(self) -> str:
         """The Redis URL the children get (with its password, in their environment only)."""
         if self.options.shared_redis:
-            if not urlsplit(self.settings.redis_url).password:
+            if not (urlsplit(self.settings.redis_url).password or self.settings.redis_password):
                 raise SystemExit("openjev serve --shared-redis: OPENJEV_REDIS_URL has no password "
-                                 "(redis://:PASSWORD@host:port/0); a shared Redis must require one")
-            _log("using the shared Redis at OPENJEV_REDIS_URL")
+                                 "(redis://:PASSWORD@host:port/0) and OPENJEV_REDIS_PASSWORD is unset; "
+                                 "a shared Redis must require one")
+            _log(f"using the shared Redis: {redis_address(self.settings)}")
             return self.settings.redis_url
         server = RedisServer.on(self.settings.embedded_redis_dir)
         try:
@@ -156,6 +158,8 @@ class Supervisor:
     def _base_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
         env["OPENJEV_REDIS_URL"] = redis_url
+        if not self.options.shared_redis:  # the embedded Redis, whatever Sentinels the shell names
+            env.pop("OPENJEV_REDIS_SENTINELS", None)
         if not (self.options.connect or self.options.sglang_python):
             env["OPENJEV_TOKENIZER"] = str(self._cpu_model_dir())
             env.setdefault("OPENJEV_SERVED_MODEL_NAME", self._cpu_served_name())

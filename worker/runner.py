@@ -15,15 +15,11 @@ import time
 from typing import Any
 
 from arq import Worker
-from arq.connections import RedisSettings
+from arq.connections import ArqRedis
 from arq.worker import func
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.queue import keys
@@ -37,6 +33,8 @@ from common.queue.membership import (
     leave,
 )
 from common.queue.records import JobStore, Started
+from common.queue.replication import ReplicaCopy
+from common.redis_connection import redis_connection
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError
@@ -88,6 +86,9 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", ctx)
     give_up_at = time.monotonic() + max(0.0, started.remaining) + STORE_GRACE
     stored = await asyncio.shield(store.store(arq_job_id, outcome, give_up_at))
+    if stored:  # the outcome on a replica before arq ends the placement: a failover neither loses nor reruns it
+        with contextlib.suppress(RedisError, OSError):
+            await asyncio.shield(ctx["replicas"].wait())
     ctx["info"].counters.record_ending(outcome.status.value if stored else "refused")
     if job is not None:
         _log_job(job, outcome, stored)  # after the answer went out: logging is not on the caller's path
@@ -170,6 +171,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     info: WorkerInfo = ctx["info"]
     redis: Redis = ctx["redis"]
     ctx["store"] = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
+    ctx["replicas"] = ReplicaCopy(redis)
     ctx["lease"] = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
@@ -275,7 +277,7 @@ def build_worker(settings: Settings) -> Worker:
     worker = Worker(
         functions=[func(evaluate, name=keys.JOB_FUNCTION)],
         queue_name=queue,
-        redis_settings=_redis_settings(settings.redis_url),
+        redis_pool=_redis(settings),
         max_jobs=settings.max_concurrent_requests,
         job_timeout=settings.longest_job_seconds + 30,  # a backstop: each job ends itself at its deadline
         keep_result=0,  # the outcome lives in the job record, not in arq's result key
@@ -301,13 +303,11 @@ def _stop_wakeups(ctx: dict[str, Any]) -> None:
         ctx["wakeups"].stop()
 
 
-def _redis_settings(url: str) -> RedisSettings:
-    """arq's connection settings, with retries that outlast a Redis restart: arq's poll loop ends on
-    the first error it sees, so every command waits (backing off to 1 s) until Redis answers again."""
-    redis_settings = RedisSettings.from_dsn(url)
-    redis_settings.retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=REDIS_RETRIES)
-    redis_settings.retry_on_error = [RedisConnectionError, RedisTimeoutError, OSError]
-    return redis_settings
+def _redis(settings: Settings) -> ArqRedis:
+    """The worker's Redis client, with retries that outlast a Redis restart or a failover: arq's poll
+    loop ends on the first error it sees, so every command waits (backing off to 1 s) until Redis
+    answers again."""
+    return redis_connection(settings, retries=REDIS_RETRIES)
 
 
 def run_worker(settings: Settings) -> int:

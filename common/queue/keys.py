@@ -10,6 +10,7 @@ WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (Redis's clock
 JOB_FUNCTION = "evaluate"  # the arq function name a worker registers for evaluation jobs
 DONE_CHANNEL = PREFIX + "done"  # pub/sub: "<job id> <status>", published when an outcome is stored
 ROUND_ROBIN_TURN = PREFIX + "route:turn"  # counter: the next turn under OPENJEV_ROUTING=round_robin
+REPLICATION_MARK = PREFIX + "replication:mark"  # string: written only so a WAIT has a write to wait for
 
 # arq's keys, per arq job id (a placement, see `placement_id`). arq's worker writes and deletes them;
 # our scripts write the job and its queue entry (as `ArqRedis.enqueue_job` would) and move them.

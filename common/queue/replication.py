@@ -1,0 +1,57 @@
+"""Waiting for a replica's copy: a Redis master replicates asynchronously, so a write it acknowledged
+is lost if it dies before a replica has it, and a Sentinel failover then promotes a replica without it.
+Where a promise rests on a write (an async job's 202, a stored outcome), its writer waits here first."""
+
+from __future__ import annotations
+
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import ReadOnlyError, ResponseError
+
+from common.queue import keys
+
+log = logging.getLogger("openjev.queue")
+
+REPLICA_WAIT = 2.0  # seconds a promise waits for a replica's copy; then it is given anyway (logged)
+MARK_TTL_MS = 60_000  # the mark only carries a replication offset; it need not outlive a minute
+
+
+class ReplicaCopy:
+    """Redis's replicas, as the master reports them."""
+
+    def __init__(self, redis: Redis, timeout: float = REPLICA_WAIT) -> None:
+        """`redis`: the master's client; `timeout`: the longest a `wait` blocks."""
+        self.redis = redis
+        self.timeout_ms = int(timeout * 1000)
+        self.readable = True  # False once INFO or WAIT was refused (a managed Redis may forbid them)
+
+    async def wait(self) -> bool:
+        """Return once every write Redis acknowledged before this call is on at least one replica;
+        True if so; False at once when the master has no replica (or refuses INFO or WAIT), and
+        after the timeout (logged: the promise is given all the same)."""
+        if not self.readable:
+            return False
+        try:
+            info = await self.redis.info("replication")
+            if info.get("role") != "master" or not info.get("connected_slaves"):
+                return False  # one INFO, and no wait, where nothing replicates
+            # WAIT counts the writes of its own connection: a pipeline (one connection, sent again
+            # whole after a lost connection) writes a mark, which follows every earlier write in the
+            # replication stream, and waits for a replica to confirm it.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(keys.REPLICATION_MARK, b"", px=MARK_TTL_MS)
+                pipe.wait(1, self.timeout_ms)
+                _, copies = await pipe.execute()
+        except ReadOnlyError:  # a demoted master, seen before the connection is closed
+            return False
+        except ResponseError as exc:
+            self.readable = False
+            log.warning("Redis refuses INFO replication or WAIT (%s): promises are given without waiting "
+                        "for a replica", exc)
+            return False
+        if copies < 1:
+            log.warning("no replica confirmed a write within %.1f s; the promise is given anyway",
+                        self.timeout_ms / 1000)
+            return False
+        return True
