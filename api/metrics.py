@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from common.jobs import JobOutcome, JobStatus
-from common.queue.membership import WorkerInfo
+from common.queue.membership import Backlog, WorkerInfo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WORKER_FIGURES = {  # WorkerCounters field -> help text
@@ -46,6 +46,14 @@ class ApiMetrics:
                                  registry=r)
         self.live_workers = Gauge("openjev_live_workers", "Workers with a fresh heartbeat and a healthy engine",
                                   registry=r)
+        self.waiting = Gauge("openjev_queue_waiting_jobs", "Jobs queued on each heartbeating worker that no worker "
+                             "has started (running jobs not counted): the backlog to scale on", ["worker"], registry=r)
+        self.oldest_waiting = Gauge("openjev_queue_oldest_waiting_seconds", "How long the oldest job waiting on each "
+                                    "heartbeating worker has waited", ["worker"], registry=r)
+        self.fleet_waiting = Gauge("openjev_fleet_waiting_jobs", "Jobs waiting to start, all workers together",
+                                   registry=r)
+        self.fleet_oldest_waiting = Gauge("openjev_fleet_oldest_waiting_seconds", "How long the oldest job waiting "
+                                          "anywhere has waited", registry=r)
         self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
@@ -99,11 +107,19 @@ class ApiMetrics:
         if outcome.cached_tokens is not None:
             self.cached_tokens.inc(outcome.cached_tokens)
 
-    def render(self, workers: list[WorkerInfo] | None, lengths: dict[str, int]) -> bytes:
-        """The exposition text; `workers` None means Redis could not be read for this scrape."""
+    def render(self, workers: list[WorkerInfo] | None, lengths: dict[str, int],
+               backlog: dict[str, Backlog] | None = None) -> bytes:
+        """The exposition text; `workers` None means Redis could not be read for this scrape. `backlog`: each
+        heartbeating worker's jobs waiting to start, by worker id."""
         self.redis_up.set(0 if workers is None else 1)
-        for gauge in (self.queue_depth, self.worker_running, self.worker_endings, *self.worker_figures.values()):
+        for gauge in (self.queue_depth, self.worker_running, self.worker_endings, self.waiting, self.oldest_waiting,
+                      *self.worker_figures.values()):
             gauge.clear()  # workers that left must not linger as stale series
+        for worker_id, waiting in (backlog or {}).items():
+            self.waiting.labels(worker_id).set(waiting.waiting)
+            self.oldest_waiting.labels(worker_id).set(waiting.oldest_seconds)
+        self.fleet_waiting.set(sum(b.waiting for b in (backlog or {}).values()))
+        self.fleet_oldest_waiting.set(max((b.oldest_seconds for b in (backlog or {}).values()), default=0.0))
         for worker in workers or []:
             self.queue_depth.labels(worker.id).set(lengths.get(worker.id, 0))
             self.worker_running.labels(worker.id).set(worker.running)

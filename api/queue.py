@@ -25,7 +25,7 @@ from common.background import BackgroundWork
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane, serialize
 from common.queue import keys
 from common.queue.limits import TenantLimiter
-from common.queue.membership import WorkerInfo, fleet
+from common.queue.membership import Backlog, BacklogReader, WorkerInfo, fleet
 from common.queue.placement import Admission, Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
 from common.queue.replication import ReplicaCopy
@@ -105,6 +105,7 @@ class JobQueue:
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
         self.limiter = TenantLimiter(redis)
+        self.backlog_reader = BacklogReader(redis, store.longest_job_seconds)
         self.written = AppendOnlyFile(redis)
         self.copied = ReplicaCopy(redis)
         self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
@@ -113,6 +114,12 @@ class JobQueue:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
         with _reachable():
             return await fleet(self.redis)
+
+    async def backlog(self, workers: list[WorkerInfo]) -> dict[str, Backlog]:
+        """Each worker's jobs waiting to start (not the running ones), by worker id; one round trip."""
+        with _reachable():
+            waiting = await self.backlog_reader.read([w.queue for w in workers])
+        return {w.id: waiting[w.queue] for w in workers}
 
     async def submit(self, job: EvaluationJob, admission: Admission = Admission(),
                      idempotency: IdempotencyClaim | None = None) -> Submitted:

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from common.jobs import JobOutcome, JobStatus, Lane
 from common.queue import keys
 from common.queue.limits import TenantLimiter
-from common.queue.membership import WorkerInfo, heartbeat
+from common.queue.membership import Backlog, BacklogReader, WorkerInfo, heartbeat
 from common.queue.placement import INTERACTIVE_LEAD_MS, Admission, Dispatcher, IdempotencyClaim, Placement
 from common.queue.records import JobStore
 from common.settings import RoutingPolicy
@@ -128,3 +128,18 @@ async def test_the_rate_limit_allows_a_burst_then_one_request_per_interval(redis
     assert refused.headers()["Retry-After"] in {str(n) for n in range(1, 21)}
     assert refused.headers()["RateLimit-Limit"] == "3" and refused.headers()["RateLimit-Remaining"] == "0"
     assert (await limiter.admit("b", 3)).allowed  # another tenant's budget is its own
+
+
+async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: Redis, dispatcher: Dispatcher) -> None:
+    reader = BacklogReader(redis, longest_job_seconds=600)
+    store = JobStore(redis, result_ttl=60)
+    assert (await reader.read([QUEUE]))[QUEUE] == Backlog(0, 0.0)
+    for n in range(5):
+        await place(dispatcher, f"job_{n}", Admission(tenant="a"))
+    for n in range(2):
+        assert await store.start(f"job_{n}.1", "solo") is not None
+    assert await store.cancel("job_4", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
+                                                                                    "message": "m"}))
+    backlog = (await reader.read([QUEUE]))[QUEUE]
+    assert await redis.zcard(QUEUE) == 5  # arq's queue still holds the running and the cancelled ones
+    assert backlog.waiting == 2 and 0 <= backlog.oldest_seconds < 5  # job_2 and job_3

@@ -272,3 +272,26 @@ def test_batch_and_smoke_wait_out_a_429_and_get_through(tenant_stack: Stack, tmp
     finally:
         client.close()
     assert exchange.response.status_code == 202 and exchange.attempts >= 2  # a 429 first, then through
+
+
+def test_metrics_show_the_backlog_waiting_to_start_and_only_to_an_operator(tenant_stack: Stack) -> None:
+    tenant_stack.script(delay=1.0)
+    jobs = [submit(tenant_stack, KEY_D, body({"q": NOUL}, state=f"backlog metric {n}")).json()["id"]
+            for n in range(6)]
+    assert httpx.get(tenant_stack.url + "/metrics", headers=auth(KEY_D), timeout=30).status_code == 403
+    deadline = time.monotonic() + 20
+    seen = None
+    while time.monotonic() < deadline:
+        text = httpx.get(tenant_stack.url + "/metrics", headers=auth(KEY_A), timeout=30).text
+        figures = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                   if line.startswith(("openjev_queue_waiting_jobs{", "openjev_queue_depth{", "openjev_fleet_"))}
+        seen = figures
+        if figures.get('openjev_queue_waiting_jobs{worker="w0"}') == 4:
+            break
+        time.sleep(0.1)
+    assert seen is not None and seen['openjev_queue_waiting_jobs{worker="w0"}'] == 4, seen  # two of six run
+    assert seen["openjev_fleet_waiting_jobs"] == 4 and seen["openjev_fleet_oldest_waiting_seconds"] > 0
+    assert 'openjev_tenant_requests_total{status="202",tenant="delta"}' in text
+    tenant_stack.script(delay=0.0)
+    for job_id in jobs:
+        assert wait_for(tenant_stack, KEY_D, job_id)["status"] == "succeeded"

@@ -71,6 +71,12 @@ def interactive_key(queue: str) -> str:
     return queue + ":interactive"
 
 
+def waiting_key(queue: str) -> str:
+    """Zset: the jobs queued on `queue` that no worker has started (arq job id -> when it was placed, Redis
+    seconds): the backlog an autoscaler reads, which arq's queue (running jobs included) is not."""
+    return queue + ":waiting"
+
+
 TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
 
 

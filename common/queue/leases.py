@@ -63,6 +63,10 @@ if redis.call('ZREM', KEYS[3] .. ':interactive', ARGV[1]) == 1 then
   redis.call('ZADD', KEYS[4] .. ':interactive', deadline, new)
   if redis.call('PTTL', KEYS[4] .. ':interactive') < ttl then redis.call('PEXPIRE', KEYS[4] .. ':interactive', ttl) end
 end
+local placed_at = redis.call('ZSCORE', KEYS[3] .. ':waiting', ARGV[1])
+redis.call('ZREM', KEYS[3] .. ':waiting', ARGV[1])
+redis.call('ZADD', KEYS[4] .. ':waiting', placed_at or redis.call('HGET', KEYS[1], 'created_at'), new)
+if redis.call('PTTL', KEYS[4] .. ':waiting') < ttl then redis.call('PEXPIRE', KEYS[4] .. ':waiting', ttl) end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
 redis.call('PUBLISH', KEYS[4] .. 'WAKE_SUFFIX', 'job ' .. new .. ' ' .. score)
 return 1

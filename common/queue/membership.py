@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
@@ -173,6 +174,46 @@ async def fleet(redis: Redis) -> list[tuple[WorkerInfo, int]]:
         info.heartbeat_at = local_now - (redis_now - float(flat[i + 1]))
         members.append((info, int(flat[i + 2])))
     return members
+
+
+# KEYS: each queue's waiting set; ARGV[1] the longest a job can wait (s): older entries (a job that ended
+# by a path that left no trace) are dropped. Reply: {Redis time, then per queue: count, oldest placement time}.
+_BACKLOG = """
+local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
+local out = {tostring(now)}
+for _, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - tonumber(ARGV[1]))
+  local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  out[#out + 1] = redis.call('ZCARD', key)
+  out[#out + 1] = oldest[2] or ''
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Jobs queued on one worker that no worker has started yet."""
+
+    waiting: int
+    oldest_seconds: float  # how long the oldest of them has waited (0 when none)
+
+
+class BacklogReader:
+    """Reads each queue's waiting jobs (not arq's queue length, which counts running jobs too) in one call."""
+
+    def __init__(self, redis: Redis, longest_job_seconds: float) -> None:
+        self._backlog = redis.register_script(_BACKLOG)
+        self.keep_seconds = longest_job_seconds + 60
+
+    async def read(self, queues: list[str]) -> dict[str, Backlog]:
+        if not queues:
+            return {}
+        flat = await self._backlog(keys=[keys.waiting_key(q) for q in queues], args=[self.keep_seconds])
+        now = float(flat[0])
+        return {queue: Backlog(int(flat[1 + 2 * i]), now - float(flat[2 + 2 * i]) if flat[2 + 2 * i] else 0.0)
+                for i, queue in enumerate(queues)}
 
 
 async def live_workers(redis: Redis) -> list[WorkerInfo]:

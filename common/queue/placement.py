@@ -150,10 +150,11 @@ redis.call('EXPIRE', ARGV[9], ttl)
 redis.call('SET', ARGV[11] .. arq_id, ARGV[12], 'EX', ttl)
 redis.call('ZADD', target.queue, score, arq_id)
 if interactive then redis.call('ZADD', target.queue .. ':interactive', deadline, arq_id) end
+redis.call('ZADD', target.queue .. ':waiting', now, arq_id)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
 if ARGV[21] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
-local bounded = {tenant_jobs, tenant_async}
-if interactive then bounded[3] = target.queue .. ':interactive' end
+local bounded = {tenant_jobs, tenant_async, target.queue .. ':waiting'}
+if interactive then bounded[4] = target.queue .. ':interactive' end
 for _, key in ipairs(bounded) do
   if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl) end
 end

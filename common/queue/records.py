@@ -42,6 +42,7 @@ local now = t[1] + t[2] / 1e6
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now))
 if f[5] then
   redis.call('ZREM', f[5] .. ':interactive', ARGV[1])
+  redis.call('ZREM', f[5] .. ':waiting', ARGV[1])
   local vclock = f[5] .. ':vclock'
   if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
     redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
@@ -96,7 +97,10 @@ local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 if tonumber(ARGV[6]) >= 0 and now < tonumber(f[4]) + tonumber(ARGV[6]) then return 0 end
 END_FOR_TENANT
-if f[5] then redis.call('ZREM', f[5] .. ':interactive', f[2]) end
+if f[5] then
+  redis.call('ZREM', f[5] .. ':interactive', f[2])
+  redis.call('ZREM', f[5] .. ':waiting', f[2])
+end
 if f[3] == 'sync' then
   redis.call('DEL', KEYS[1])
 else
@@ -152,6 +156,7 @@ class JobStore:
         live from submission to deadline (an abort mark is dropped a minute after that)."""
         self.redis = redis
         self.result_ttl = result_ttl
+        self.longest_job_seconds = abort_mark_ttl
         self.abort_mark_ms = int((abort_mark_ttl + 60) * 1000)
         self._start = redis.register_script(_START)
         self._store = redis.register_script(_STORE)
