@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, JobLost, JobNotFound
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
-from common.jobs import JobStatus, job_created_at
+from common.jobs import JobStatus
 from common.queue.placement import IdempotencyClaim
 from common.queue.records import JobRecord
 
@@ -94,14 +94,14 @@ async def _record(request: Request, job_id: str) -> JobRecord:
     services = request.app.state.services
     record = await services.queue.get(job_id)
     if record is None:
-        raise _missing(job_id, services.settings.job_result_ttl)
+        raise _missing(job_id, services.preparer.job_ids.created_at(job_id), services.settings.job_result_ttl)
     return record
 
 
-def _missing(job_id: str, result_ttl: int) -> ApiError:
-    """Why `job_id` has no record. Every record lives at least the result TTL from its job's
-    creation (a finished job's for the TTL after it ended), so a missing one younger than that was lost."""
-    created = job_created_at(job_id)
+def _missing(job_id: str, created: float | None, result_ttl: int) -> ApiError:
+    """Why `job_id` (created at `created` if this server issued it) has no record. Every record lives at least
+    the result TTL from its job's creation (a finished job's for the TTL after it ended), so a missing one
+    younger than that was lost."""
     if created is not None and created - CLOCK_SLACK <= time.time() < created + result_ttl - CLOCK_SLACK:
         return JobLost(f"job {job_id!r} was accepted at {_rfc3339(created)} and would still be kept, but the queue "
                        "has lost it (its Redis lost data); submit the request again")

@@ -8,7 +8,7 @@ import time
 from api.errors import UnknownModel, invalid
 from common.calibration import Calibration, question_key
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
-from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, new_job_id
+from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, JobIds
 from common.prompt import CompiledPrompt, PrefixTooLong, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
@@ -21,6 +21,7 @@ class JobPreparer:
         """Reads the calibration file named by the settings, if any (CalibrationError if unusable)."""
         self.settings = settings
         self.compiler = compiler
+        self.job_ids = JobIds(settings.job_id_key)
         self.calibration = Calibration.load(settings.calibration) if settings.calibration else Calibration()
 
     @property
@@ -60,7 +61,7 @@ class JobPreparer:
         keys = {qid: question_key(q) for qid, q in request.questions.items()} if self.calibration.questions else {}
         return EvaluationJob(
             version=GROUPED_JOB_RECORD_VERSION if compiled.final_rounds else JOB_RECORD_VERSION,
-            id=new_job_id(now),
+            id=self.job_ids.new(now),
             request_id=request_id,
             model=self.settings.served_model_name,
             prefix_ids=compiled.prefix_ids,

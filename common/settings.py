@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from enum import StrEnum
 from functools import lru_cache
@@ -104,6 +105,9 @@ class Settings(BaseSettings):
     # Secrets: never logged.
     api_key: SecretStr | None = None
     backend_api_key: SecretStr | None = None
+    job_id_secret: SecretStr | None = Field(
+        default=None, description="Key of the tag in job ids (common/jobs.py), the same on every API replica; "
+        "unset: derived from the Redis URL, which every replica shares and which holds the Redis password.")
 
     # Routing jobs to workers (common/routing.py).
     route_prefix_tokens: int | None = Field(
@@ -180,6 +184,13 @@ class Settings(BaseSettings):
     def longest_job_seconds(self) -> float:
         """No job, sync or async, can live longer than this from submission to deadline."""
         return max(self.request_timeout, self.job_timeout)
+
+    @property
+    def job_id_key(self) -> bytes:
+        """The key that tags job ids: `job_id_secret`, or one derived from `redis_url`."""
+        if self.job_id_secret is not None:
+            return self.job_id_secret.get_secret_value().encode()
+        return hashlib.sha256(b"openjev job ids\0" + self.redis_url.encode()).digest()
 
     @property
     def tokenizer_source(self) -> str:
