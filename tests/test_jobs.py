@@ -33,7 +33,7 @@ def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: 
     job = r.json()
     finished = {"result"} if job["status"] == "succeeded" else set()  # a fast engine may be done already
     assert set(job) == {"id", "status", "created_at", "deadline_at"} | finished
-    assert re.fullmatch(r"job_[0-9a-f]{44}", job["id"])
+    assert re.fullmatch(r"job_[0-9a-f]{60}", job["id"])
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["status"] in ("queued", "running", "succeeded")
 
