@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError, JobLost, JobNotFound
-from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
+from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest, echo
 from common.jobs import JobStatus
 from common.queue.placement import IdempotencyClaim
 from common.queue.records import JobRecord
@@ -103,9 +103,9 @@ def _missing(job_id: str, created: float | None, result_ttl: int) -> ApiError:
     the result TTL from its job's creation (a finished job's for the TTL after it ended), so a missing one
     younger than that was lost."""
     if created is not None and created - CLOCK_SLACK <= time.time() < created + result_ttl - CLOCK_SLACK:
-        return JobLost(f"job {job_id!r} was accepted at {_rfc3339(created)} and would still be kept, but the queue "
-                       "has lost it (its Redis lost data); submit the request again")
-    return JobNotFound(f"no job {job_id!r} (unknown, or its result expired)")
+        return JobLost(f"job {echo(job_id)!r} was accepted at {_rfc3339(created)} and would still be kept, "
+                       "but the queue has lost it (its Redis lost data); submit the request again")
+    return JobNotFound(f"no job {echo(job_id)!r} (unknown, or its result expired)")
 
 
 async def _expire_if_overdue(request: Request, record: JobRecord) -> JobRecord:

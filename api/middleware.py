@@ -16,6 +16,7 @@ import orjson
 import zstandard
 
 from api.strict_json import BodyRejected, read_json
+from common.contract import echo
 from common.jobs import new_request_id
 
 log = logging.getLogger("openjev.api")
@@ -120,7 +121,8 @@ class BodyGate:
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
         if encoding not in ("identity", "", "zstd", "gzip", "x-gzip"):
             await send_json(send, 415, error_body(
-                "invalid_request_error", f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none"))
+                "invalid_request_error",
+                f"Content-Encoding {echo(encoding)!r} is not supported; use zstd, gzip or none"))
             return
         if _declared_length(headers) > self._raw_limit(encoding):
             # Refused before a byte of it is read; the connection closes, as the rest would follow.

@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, TypeVar
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest, echo
 from common.jobs import FinalRound
 from common.labels import Label, LabelAlphabet
 from common.settings import PromptStyle
@@ -319,7 +319,8 @@ def _text_messages(messages: list[dict[str, Any]], loc: Loc) -> list[dict[str, s
 
 def _role(role: str, loc: Loc) -> str:
     if role not in _ROLES:
-        raise UnsupportedContent(f"{_path(loc)}: {role!r} is not a chat role; use one of {', '.join(_ROLES)}", loc)
+        raise UnsupportedContent(f"{_path(loc)}: {echo(role)!r} is not a chat role; use one of "
+                                 f"{', '.join(_ROLES)}", loc)
     return role
 
 
@@ -336,7 +337,7 @@ def _part_text(part: dict[str, Any], loc: Loc) -> str:
         return part["text"]
     if kind in _TEXT_PARTS:
         raise UnsupportedContent(f"{_path(loc)}: a {kind} part needs a string `text`", loc)
-    shown = _MEDIA_KINDS.get(kind, f"{kind!r}")
+    shown = _MEDIA_KINDS.get(kind, f"{echo(kind)!r}")
     raise UnsupportedContent(f"{_path(loc)}: {shown} content is not supported; openjev evaluates text only", loc)
 
 
