@@ -174,6 +174,14 @@ def test_a_declared_body_over_the_limit_is_413_before_it_is_read(door: Proc) -> 
     assert time.monotonic() - started < 2  # the body timeout (3 s) is never waited out
 
 
+def test_a_client_sending_a_body_over_the_limit_reads_its_413(door: Proc) -> None:
+    r = httpx.post(door.url + "/v1/systemone", content=b"x" * (8 * 1024 * 1024), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["detail"]["error_type"] == "request_too_large"
+    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+
+
 # --- requests the front door answers itself -------------------------------------------------------
 
 HEALTH = b"GET /health/live HTTP/1.1\r\nHost: x\r\n"
