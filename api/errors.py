@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from api.strict_json import printable
+from common.contract import echo
 
 
 class ApiError(Exception):
@@ -30,7 +31,7 @@ class UnknownModel(ApiError):
     error_type = "api_usage_error"
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"Unknown model: {name}")
+        super().__init__(f"Unknown model: {echo(name)}")
 
 
 class AuthenticationError(ApiError):

@@ -1,11 +1,15 @@
 """The front door: per-connection limits the API server enforces before a request reaches the app,
-as nginx does in front of one (header bytes, header and body read timeouts, open connections).
+as nginx does in front of one (header bytes, header and body read timeouts, open connections), and
+the contract's JSON error (with a request id) for every request it will not pass on.
 
-uvicorn has no header size limit or header timeout with httptools, so each connection's protocol is
-uvicorn's own `HttpToolsProtocol` behind `FrontDoor`, which watches the same bytes with a second
-httptools parser of its own and answers 431, 408 or 503 (JSON, with a request id) itself when a
-limit is crossed. The body deadline is the body gate's (api/middleware.py), which answers 408 from
-inside the app; here a body that never completes only gets its connection closed after it."""
+uvicorn has no header timeout and answers a malformed request with a plain-text 400, so each
+connection's protocol is uvicorn's own h11 protocol behind `FrontDoor`, which sees the same bytes
+first through an httptools parser of its own (driven only through the public asyncio.Protocol
+methods) and answers 400, 405, 408, 431 or 503 itself. h11 rather than uvicorn's httptools protocol:
+h11 turns down a protocol switch (`Upgrade: h2c`, `Upgrade: websocket`) by answering over HTTP/1.1 and
+keeps the connection, as nginx does, where httptools stops parsing the connection after one. The body
+deadline is the body gate's (api/middleware.py), which answers 408 from inside the app; here a body
+that never completes only gets its connection closed after it."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.middleware import error_body
 from common.jobs import new_request_id
@@ -24,6 +28,7 @@ from common.settings import Settings
 
 BODY_GRACE = 5.0  # seconds past the body timeout before the connection itself is closed
 LINGER = 2.0  # seconds a refused connection is still read (and discarded) so the client sees the answer
+READ_SLACK = 256 * 1024  # bytes: one socket read, so that h11's own head limit never trips before our 431
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The keyword arguments for `uvicorn.Config` that put the front door in place."""
     limits = FrontDoorLimits.from_settings(settings)
     return {"http": functools.partial(FrontDoor, limits=limits, open_connections=OpenConnections()),
+            "h11_max_incomplete_event_size": settings.max_header_bytes + READ_SLACK,
+            "ws": "none",  # no route is a WebSocket: `Upgrade: websocket` is answered over HTTP/1.1 too
             "timeout_keep_alive": settings.keep_alive_timeout}
 
 
@@ -61,14 +68,14 @@ class FrontDoor(asyncio.Protocol):
     def __init__(self, *, limits: FrontDoorLimits, open_connections: OpenConnections, **uvicorn: Any) -> None:
         self.limits = limits
         self.open = open_connections
-        self.inner = HttpToolsProtocol(**uvicorn)
+        self.inner = H11Protocol(**uvicorn)
         self.loop = self.inner.loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.admitted = False
         self.refused = False  # answered by us; what still arrives is read and dropped until the close
-        self.watching = True  # False once our parser gives up: uvicorn's answers malformed requests itself
         self.in_head = False  # inside a request's line and headers
+        self.hosts = 0  # Host headers of the current request
         self.header_bytes = 0  # of the current request, as our parser reports them
         self.head_bytes = 0  # received while its head is incomplete (the parsers buffer them meanwhile)
         self.header_timer: asyncio.TimerHandle | None = None
@@ -80,7 +87,7 @@ class FrontDoor(asyncio.Protocol):
         self.transport = transport
         if self.open.count >= self.limits.max_connections:
             self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds its limit of "
-                         f"{self.limits.max_connections} open connections; retry shortly", retry_after=True)
+                         f"{self.limits.max_connections} open connections; retry shortly", {"retry-after": "1"})
             return
         self.open.count += 1
         self.admitted = True
@@ -90,18 +97,15 @@ class FrontDoor(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.refused or not self.admitted or transport_closing(self.transport):
             return
-        if self.watching:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                self.watching = False
-                self._cancel_timers()
-            if self.in_head:
-                self.head_bytes += len(data)
-            if max(self.header_bytes, self.head_bytes) > self.limits.max_header_bytes:
-                self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                             f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
-                return
+        self._watch(data)
+        if self.refused:
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+        if max(self.header_bytes, self.head_bytes) > self.limits.max_header_bytes:
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                         f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
+            return
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -122,10 +126,29 @@ class FrontDoor(asyncio.Protocol):
         if self.admitted:
             self.inner.resume_writing()
 
+    def _watch(self, data: bytes) -> None:
+        """Our parser reads `data`; a malformed request, or CONNECT, is refused before uvicorn sees it."""
+        while True:
+            try:
+                self.parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as switch:
+                if self.parser.get_method() == b"CONNECT":
+                    self._refuse(HTTPStatus.METHOD_NOT_ALLOWED, "CONNECT is not served here: this is an API "
+                                 "server, not a proxy", {"allow": "GET, POST, DELETE"})
+                    return
+                # A protocol switch proposal: h11 answers it over HTTP/1.1, and what follows is the next request.
+                self.parser = httptools.HttpRequestParser(self)
+                data = data[switch.args[0]:]
+            except httptools.HttpParserError as exc:
+                self._refuse(HTTPStatus.BAD_REQUEST, f"malformed HTTP/1.1 request: {exc}")
+                return
+
     # httptools callbacks of our own parser.
 
     def on_message_begin(self) -> None:
         self.in_head = True
+        self.hosts = 0
         self.header_bytes = self.head_bytes = 0
         self._arm_header_timer()
 
@@ -134,11 +157,20 @@ class FrontDoor(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF count too
+        self.hosts += name.lower() == b"host"
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self._cancel(self.header_timer)
         self.header_timer = None
+        # What h11 would refuse with uvicorn's plain-text 400 where httptools lets it through:
+        version = self.parser.get_http_version()
+        if version not in ("1.0", "1.1"):
+            self._refuse(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, f"HTTP/{version} is not served here; use HTTP/1.1")
+        elif self.hosts > 1 or (version == "1.1" and not self.hosts):  # RFC 9112 3.2
+            self._refuse(HTTPStatus.BAD_REQUEST, "malformed HTTP/1.1 request: it needs exactly one Host header")
+        if self.refused:
+            return
         self.body_timer = self.loop.call_later(self.limits.body_timeout + BODY_GRACE, self._body_overdue)
 
     def on_message_complete(self) -> None:
@@ -162,15 +194,15 @@ class FrontDoor(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _refuse(self, status: HTTPStatus, message: str, retry_after: bool = False) -> None:
+    def _refuse(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> None:
         assert self.transport is not None
         self._cancel_timers()
-        self.watching = False
+        if self.refused:
+            return
         body = error_body(_ERROR_TYPES[status], message)
         head = [f"HTTP/1.1 {status.value} {status.phrase}", "content-type: application/json",
-                f"content-length: {len(body)}", "connection: close", f"x-typesafe-request-id: {new_request_id()}"]
-        if retry_after:
-            head.append("retry-after: 1")
+                f"content-length: {len(body)}", "connection: close", f"x-typesafe-request-id: {new_request_id()}",
+                *(f"{name}: {value}" for name, value in (headers or {}).items())]
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
         # A lingering close, as nginx does: closing with unread bytes would send a reset, which can
         # destroy the answer before the client reads it. Stop writing, drain a while, then close.
@@ -191,6 +223,9 @@ class FrontDoor(asyncio.Protocol):
 
 
 _ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "method_not_allowed",
+    HTTPStatus.HTTP_VERSION_NOT_SUPPORTED: "invalid_request_error",
     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: "request_too_large",
     HTTPStatus.REQUEST_TIMEOUT: "request_timeout",
     HTTPStatus.SERVICE_UNAVAILABLE: "unavailable_error",

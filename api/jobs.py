@@ -16,8 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
 from api.queue import admission_of
-from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest
-from common.jobs import JobStatus, Lane, job_created_at
+from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest, echo
+from common.jobs import JobStatus, Lane
 from common.queue.placement import IdempotencyClaim
 from common.queue.records import JobRecord
 
@@ -101,24 +101,24 @@ async def _record(request: Request, job_id: str) -> JobRecord:
     services = request.app.state.services
     record = await services.queue.get(job_id)
     if record is None:
-        raise _missing(job_id, services.settings.job_result_ttl)
+        raise _missing(job_id, services.preparer.job_ids.created_at(job_id), services.settings.job_result_ttl)
     if record.tenant != tenant_of(request.scope).name:
         raise JobNotFound(_unknown(job_id))
     return record
 
 
-def _missing(job_id: str, result_ttl: int) -> ApiError:
-    """Why `job_id` has no record. Every record lives at least the result TTL from its job's
-    creation (a finished job's for the TTL after it ended), so a missing one younger than that was lost."""
-    created = job_created_at(job_id)
+def _missing(job_id: str, created: float | None, result_ttl: int) -> ApiError:
+    """Why `job_id` (created at `created` if this server issued it) has no record. Every record lives at least
+    the result TTL from its job's creation (a finished job's for the TTL after it ended), so a missing one
+    younger than that was lost."""
     if created is not None and created - CLOCK_SLACK <= time.time() < created + result_ttl - CLOCK_SLACK:
-        return JobLost(f"job {job_id!r} was accepted at {_rfc3339(created)} and would still be kept, but the queue "
-                       "has lost it (its Redis lost data); submit the request again")
+        return JobLost(f"job {echo(job_id)!r} was accepted at {_rfc3339(created)} and would still be kept, "
+                       "but the queue has lost it (its Redis lost data); submit the request again")
     return JobNotFound(_unknown(job_id))
 
 
 def _unknown(job_id: str) -> str:
-    return f"no job {job_id!r} (unknown, or its result expired)"
+    return f"no job {echo(job_id)!r} (unknown, or its result expired)"
 
 
 async def _expire_if_overdue(request: Request, record: JobRecord) -> JobRecord:

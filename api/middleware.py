@@ -16,6 +16,7 @@ import orjson
 import zstandard
 
 from api.strict_json import BodyRejected, read_json
+from common.contract import echo
 from common.jobs import new_request_id
 
 log = logging.getLogger("openjev.api")
@@ -121,7 +122,12 @@ class BodyGate:
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
         if encoding not in ("identity", "", "zstd", "gzip", "x-gzip"):
             await send_json(send, 415, error_body(
-                "invalid_request_error", f"Content-Encoding {encoding!r} is not supported; use zstd, gzip or none"))
+                "invalid_request_error",
+                f"Content-Encoding {echo(encoding)!r} is not supported; use zstd, gzip or none"))
+            return
+        if _declared_length(headers) > self._raw_limit(encoding):
+            # Refused before a byte of it is read; the connection closes, as the rest would follow.
+            await send_json(send, 413, self._too_large(), [(b"connection", b"close")])
             return
         try:
             async with asyncio.timeout(self.timeout):
@@ -134,8 +140,7 @@ class BodyGate:
                 [(b"connection", b"close")])
             return
         except _TooLarge:
-            await send_json(send, 413, error_body(
-                "request_too_large", f"request body exceeds {self.max_bytes} bytes (after decompression)"))
+            await send_json(send, 413, self._too_large())
             return
         except _BadEncoding as exc:
             await send_json(send, 400, error_body("invalid_request_error", str(exc)))
@@ -161,10 +166,16 @@ class BodyGate:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive, encoding: str) -> bytes:
+    def _raw_limit(self, encoding: str) -> int:
         # A compressed body is never much larger than its content; bounding the raw bytes first
         # keeps memory bounded before decompression, which is itself capped at the limit.
-        raw_limit = self.max_bytes if encoding in ("identity", "") else self.max_bytes + 65536
+        return self.max_bytes if encoding in ("identity", "") else self.max_bytes + 65536
+
+    def _too_large(self) -> bytes:
+        return error_body("request_too_large", f"request body exceeds {self.max_bytes} bytes (after decompression)")
+
+    async def _read(self, receive: Receive, encoding: str) -> bytes:
+        raw_limit = self._raw_limit(encoding)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -190,6 +201,12 @@ class _TooLarge(Exception):
 
 class _BadEncoding(Exception):
     pass
+
+
+def _declared_length(headers: dict[bytes, bytes]) -> int:
+    # The server's parser has already refused a malformed or repeated Content-Length; chunked has none.
+    value = headers.get(b"content-length", b"0")
+    return int(value) if value.isdigit() else 0
 
 
 def _is_json(content_type: bytes | None) -> bool:

@@ -8,8 +8,8 @@ import time
 from api.errors import UnknownModel, invalid
 from common.calibration import Calibration, question_key
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
-from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, new_job_id
-from common.prompt import CompiledPrompt, PromptCompiler, UnsupportedContent
+from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, JobIds
+from common.prompt import CompiledPrompt, PrefixTooLong, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
 
@@ -21,6 +21,7 @@ class JobPreparer:
         """Reads the calibration file named by the settings, if any (CalibrationError if unusable)."""
         self.settings = settings
         self.compiler = compiler
+        self.job_ids = JobIds(settings.job_id_key)
         self.calibration = Calibration.load(settings.calibration) if settings.calibration else Calibration()
 
     @property
@@ -44,9 +45,15 @@ class JobPreparer:
     def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
         """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
         try:
-            compiled = self.compiler.compile(request, self._rotations(request), self._group_size(request))
+            compiled = self.compiler.compile(request, self._rotations(request), self._group_size(request),
+                                             self._max_prefix_tokens(request))
         except UnsupportedContent as exc:
             raise invalid(list(exc.loc[1:]), exc.message, "unsupported_content") from exc  # loc starts at "body"
+        except PrefixTooLong as exc:
+            raise invalid(["state"], f"{exc}: each question's prompt holds the state, the question and 1 answer "
+                          f"token within {self.settings.max_input_tokens}, and all {len(request.questions) + 1} "
+                          f"calls within {self.settings.max_total_input_tokens}; shorten the state or send fewer "
+                          "questions", "token_budget") from exc
         self._check_budgets(compiled)
         now = time.time()
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
@@ -54,7 +61,7 @@ class JobPreparer:
         keys = {qid: question_key(q) for qid, q in request.questions.items()} if self.calibration.questions else {}
         return EvaluationJob(
             version=GROUPED_JOB_RECORD_VERSION if compiled.final_rounds else JOB_RECORD_VERSION,
-            id=new_job_id(now),
+            id=self.job_ids.new(now),
             request_id=request_id,
             model=self.settings.served_model_name,
             prefix_ids=compiled.prefix_ids,
@@ -73,6 +80,13 @@ class JobPreparer:
             temperature=self.settings.temperature,
             confidence=self.settings.confidence,
         )
+
+    def _max_prefix_tokens(self, request: SystemOneRequest) -> int:
+        # The most prefix tokens that can pass `_check_budgets`: each branch adds at least one suffix token
+        # and the answer token, and there is a warm call plus at least one branch per question.
+        questions = len(request.questions)
+        return min(self.settings.max_input_tokens - 2,
+                   (self.settings.max_total_input_tokens - questions) // (questions + 1))
 
     def _rotations(self, request: SystemOneRequest) -> int:
         debias = self.settings.debias if request.x_debias is None else request.x_debias

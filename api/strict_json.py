@@ -9,6 +9,8 @@ import json
 import math
 from typing import Any
 
+from common.contract import echo
+
 MAX_DEPTH = 64
 """Objects and arrays nested deeper than this are refused: nothing in a request needs more, and
 serialisers further down (pydantic, orjson) give up not far above it."""
@@ -93,7 +95,7 @@ def _check(root: Any) -> None:
             if depth >= MAX_DEPTH:
                 raise BodyRejected(loc, f"JSON nested deeper than {MAX_DEPTH} levels", "json_too_deep")
             if isinstance(value, _Duplicated):
-                raise BodyRejected([*loc, value.duplicate], f"{_path(loc)}: the key {printable(value.duplicate)!r} "
+                raise BodyRejected([*loc, value.duplicate], f"{_path(loc)}: the key {echo(value.duplicate)!r} "
                                    "appears more than once; every key in an object must be unique", "duplicate_key")
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:

@@ -8,6 +8,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJs
 from typing_extensions import TypeAliasType
 
 JSON = Any
+ECHO_CHARS = 64  # characters of a client's string quoted back in an error message
+
+
+def echo(text: str) -> str:
+    """`text` as an error message may quote it: its first `ECHO_CHARS` characters (then an ellipsis), with any
+    lone surrogate written as `\\udxxx`. A 1 MiB model name is not sent back whole."""
+    shown = text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+
 """A description, instructions or state: null, string, number, object or array, kept as sent."""
 
 INTEGER_RANGE = (-(2**63), 2**64 - 1)

@@ -3,6 +3,8 @@ that tracks it until a result (or an error) is stored for the caller."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import secrets
 import time
@@ -145,19 +147,32 @@ def deserialize(raw: bytes) -> Any:
     return orjson.loads(raw)
 
 
-JOB_ID = re.compile(r"job_([0-9a-f]{12})[0-9a-f]{32}")  # creation time (ms, hex), then 128 random bits
+JOB_ID = re.compile(r"job_(([0-9a-f]{12})[0-9a-f]{32})([0-9a-f]{16})")  # ms (hex), 128 random bits, the tag
 
 
-def new_job_id(created_at: float) -> str:
-    """An unguessable job id (128 random bits) that carries its creation time, so a job whose record
-    is missing can be told apart: lost (it should still be kept) or expired."""
-    return f"job_{int(created_at * 1000):012x}{secrets.token_hex(16)}"
+class JobIds:
+    """Issues job ids and recognises the ones it issued. An id is unguessable (128 random bits), carries
+    its creation time, so a job whose record is missing can be told apart (lost, or expired), and ends
+    with a tag (64 bits of HMAC-SHA256 under the server's key), so an id the server never issued is
+    unknown rather than lost. Every API replica must hold the same key (`Settings.job_id_key`)."""
 
+    def __init__(self, key: bytes) -> None:
+        self._key = key
 
-def job_created_at(job_id: str) -> float | None:
-    """The creation time (epoch seconds) carried by an id from `new_job_id`; None for any other string."""
-    match = JOB_ID.fullmatch(job_id)
-    return int(match.group(1), 16) / 1000 if match else None
+    def new(self, created_at: float) -> str:
+        """A fresh id for a job created at `created_at` (epoch seconds)."""
+        body = f"{int(created_at * 1000):012x}{secrets.token_hex(16)}"
+        return f"job_{body}{self._tag(body)}"
+
+    def created_at(self, job_id: str) -> float | None:
+        """The creation time (epoch seconds) in an id this key issued; None for any other string."""
+        match = JOB_ID.fullmatch(job_id)
+        if match is None or not hmac.compare_digest(match.group(3), self._tag(match.group(1))):
+            return None
+        return int(match.group(2), 16) / 1000
+
+    def _tag(self, body: str) -> str:
+        return hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def new_request_id() -> str:

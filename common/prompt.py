@@ -18,10 +18,11 @@ from typing import Any, Generic, Literal, TypeVar
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.contract import JSON, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest, echo
 from common.jobs import FinalRound
 from common.labels import Label, LabelAlphabet
 from common.settings import PromptStyle
+from common.token_floor import TokenFloor
 
 QuestionKind = Literal["noul", "choice", "score"]
 AnyQuestion = NoulQuestion | ChoiceQuestion | ScoreQuestion
@@ -52,6 +53,15 @@ _MEDIA_KINDS = {
     "file": "file",
     "input_file": "file",
 }
+
+
+class PrefixTooLong(ValueError):
+    """The rendered state needs more tokens than any of its prompts may hold; found before tokenizing it all."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"the state needs at least {at_least} tokens, over the {limit} its prompts may hold")
+        self.at_least = at_least
+        self.limit = limit
 
 
 class UnsupportedContent(ValueError):
@@ -115,6 +125,7 @@ class PromptCompiler:
         self._suffixes = _TokenizedTexts(prefix_cache_size)
         self._final_rounds = _Memo[FinalRound | None](max(1, prefix_cache_size // 16))
         self._marker = _ANSWER_FORMS[style][0]
+        self._floor = TokenFloor(tokenizer)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, prefix_cache_size: int = 1024,
@@ -128,8 +139,11 @@ class PromptCompiler:
         """The label alphabet; its `capacity` bounds the options of one question."""
         return self._alphabet
 
-    def compile(self, request: SystemOneRequest, max_rotations: int = 1, group_size: int = 0) -> CompiledPrompt:
+    def compile(self, request: SystemOneRequest, max_rotations: int = 1, group_size: int = 0,
+                max_prefix_tokens: int | None = None) -> CompiledPrompt:
         """Render the state once and tokenize the shared prefix and every question's suffix.
+
+        A prefix that needs more than `max_prefix_tokens` raises `PrefixTooLong` before it is tokenized whole.
 
         `max_rotations` > 1 debiases label order: each choice or score question with n options gets
         min(n, max_rotations) branches, each showing its options cyclically rotated (see `rotation_orders`).
@@ -141,6 +155,10 @@ class PromptCompiler:
         the final round times its own within its group.
         """
         prefix_text, tail = self._render(request.state)
+        if max_prefix_tokens is not None:
+            at_least = self._floor.at_least(prefix_text, max_prefix_tokens)
+            if at_least > max_prefix_tokens:
+                raise PrefixTooLong(at_least, max_prefix_tokens)
         prefix_ids = self._prefixes.ids(prefix_text, self._encode)
         branches: list[CompiledBranch] = []
         final_rounds: dict[str, FinalRound] = {}
@@ -301,7 +319,8 @@ def _text_messages(messages: list[dict[str, Any]], loc: Loc) -> list[dict[str, s
 
 def _role(role: str, loc: Loc) -> str:
     if role not in _ROLES:
-        raise UnsupportedContent(f"{_path(loc)}: {role!r} is not a chat role; use one of {', '.join(_ROLES)}", loc)
+        raise UnsupportedContent(f"{_path(loc)}: {echo(role)!r} is not a chat role; use one of "
+                                 f"{', '.join(_ROLES)}", loc)
     return role
 
 
@@ -318,7 +337,7 @@ def _part_text(part: dict[str, Any], loc: Loc) -> str:
         return part["text"]
     if kind in _TEXT_PARTS:
         raise UnsupportedContent(f"{_path(loc)}: a {kind} part needs a string `text`", loc)
-    shown = _MEDIA_KINDS.get(kind, f"{kind!r}")
+    shown = _MEDIA_KINDS.get(kind, f"{echo(kind)!r}")
     raise UnsupportedContent(f"{_path(loc)}: {shown} content is not supported; openjev evaluates text only", loc)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from enum import StrEnum
 from functools import lru_cache
@@ -107,6 +108,10 @@ class Settings(BaseSettings):
         default=None, description="A TOML file of tenants (`[tenants.NAME]` with `key` or `key_sha256`, limits and "
         "weight; common/tenants.py), re-read when it changes or on SIGHUP. Instead of OPENJEV_API_KEY.")
     backend_api_key: SecretStr | None = None
+    job_id_secret: SecretStr | None = Field(
+        default=None, description="Key of the tag in job ids (common/jobs.py), the same on every API replica; "
+        "unset: derived from the Redis URL and OPENJEV_REDIS_PASSWORD, which every replica shares and which hold the "
+        "Redis password.")
 
     # Routing jobs to workers (common/routing.py).
     route_prefix_tokens: int | None = Field(
@@ -200,6 +205,14 @@ class Settings(BaseSettings):
     def longest_job_seconds(self) -> float:
         """No job, sync or async, can live longer than this from submission to deadline."""
         return max(self.request_timeout, self.job_timeout)
+
+    @property
+    def job_id_key(self) -> bytes:
+        """The key that tags job ids: `job_id_secret`, or one derived from `redis_url`."""
+        if self.job_id_secret is not None:
+            return self.job_id_secret.get_secret_value().encode()
+        password = self.redis_password.get_secret_value() if self.redis_password is not None else ""
+        return hashlib.sha256(b"openjev job ids\0" + self.redis_url.encode() + b"\0" + password.encode()).digest()
 
     @property
     def tokenizer_source(self) -> str:

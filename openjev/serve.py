@@ -30,6 +30,12 @@ CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ENGINE_START_TIMEOUT = 1800.0  # the CPU engine's first start converts the GGUF (minutes for a 1.5B model)
 SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
 SGLANG_STOP_TIMEOUT = 30.0  # SGLang stops its scheduler and detokenizer before it exits; a busy CPU slows that
+SECRETS_NEEDED = {  # the secrets in serve's environment that each child needs; the others are kept from it
+    "api": {"OPENJEV_API_KEY", "OPENJEV_REDIS_URL", "OPENJEV_JOB_ID_SECRET"},  # the URL holds Redis's password
+    "worker": {"OPENJEV_REDIS_URL", "OPENJEV_BACKEND_API_KEY"},
+    "engine": {"OPENJEV_BACKEND_API_KEY"},
+}
+SECRETS = set().union(*SECRETS_NEEDED.values())
 RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-looping worker or Redis
 
 
@@ -120,7 +126,8 @@ class Supervisor:
         prefix = (self.settings.worker_id or socket.gethostname()) if self.options.shared_redis else "local"
         for i, url in enumerate(engine_urls):
             self._spawn(Child(f"worker-{i}", _openjev("worker"),
-                              env | {"OPENJEV_ENGINE_URL": url, "OPENJEV_WORKER_ID": f"{prefix}-{i}"},
+                              child_env("worker", env) | {"OPENJEV_ENGINE_URL": url,
+                                                          "OPENJEV_WORKER_ID": f"{prefix}-{i}"},
                               restart="its jobs wait in Redis", gives_up_with=EXIT_ENGINE_DOWN))
         if not api_first:
             self._spawn_api(env)
@@ -153,7 +160,8 @@ class Supervisor:
         return server.url
 
     def _spawn_api(self, env: dict[str, str]) -> None:
-        self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)), env))
+        self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)),
+                          child_env("api", env)))
 
     def _base_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -202,7 +210,7 @@ class Supervisor:
         for i in range(self.options.workers):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            self._spawn(Child(f"engine-{i}", *self._engine_command(port, env),
+            self._spawn(Child(f"engine-{i}", *self._engine_command(port, child_env("engine", env)),
                               own_group=bool(self.options.sglang_python)))
             urls.append(url)
         timeout = SGLANG_START_TIMEOUT if self.options.sglang_python else ENGINE_START_TIMEOUT
@@ -285,6 +293,13 @@ class Supervisor:
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.options.host in ("0.0.0.0", "::") else self.options.host
+
+
+def child_env(role: str, env: dict[str, str]) -> dict[str, str]:
+    """`env` without the secrets a child in `role` (api, worker, engine) does not need; pydantic-settings reads
+    names in any case, so they are matched in any case."""
+    return {name: value for name, value in env.items()
+            if name.upper() not in SECRETS or name.upper() in SECRETS_NEEDED[role]}
 
 
 def _openjev(*args: str) -> list[str]:

@@ -162,6 +162,88 @@ def test_connections_beyond_the_limit_get_503_at_once(door: Proc) -> None:
     assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
 
 
+def test_a_declared_body_over_the_limit_is_413_before_it_is_read(door: Proc) -> None:
+    started = time.monotonic()
+    with closing(connect(door)) as sock:
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 300000000\r\n\r\n" + REQUEST[:10])
+        response = read_all(sock)
+    assert status_of(response) == 413, response
+    assert b"x-typesafe-request-id: req_" in response
+    assert json_body(response)["detail"]["error_type"] == "request_too_large"
+    assert time.monotonic() - started < 2  # the body timeout (3 s) is never waited out
+
+
+def test_a_client_sending_a_body_over_the_limit_reads_its_413(door: Proc) -> None:
+    r = httpx.post(door.url + "/v1/systemone", content=b"x" * (8 * 1024 * 1024), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["detail"]["error_type"] == "request_too_large"
+    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+
+
+# --- requests the front door answers itself -------------------------------------------------------
+
+HEALTH = b"GET /health/live HTTP/1.1\r\nHost: x\r\n"
+MALFORMED = {
+    "nul_in_a_header": HEALTH + b"X-A: a\x00b\r\n\r\n",
+    "content_length_with_transfer_encoding": b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                                             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "two_content_lengths": b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                           b"Content-Length: 6\r\n\r\nhello",
+    "method_foo": b"FOO /health/live HTTP/1.1\r\nHost: x\r\n\r\n",
+    "space_in_a_header_name": HEALTH + b"X A: b\r\n\r\n",
+    "bare_cr": b"GET /health/live HTTP/1.1\r\nHost: x\rX-A: b\r\n\r\n",
+    "negative_content_length": b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    "transfer_encoding_gzip": b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+    "bad_chunk_size": b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "no_http_version": b"GET /health/live\r\nHost: x\r\n\r\n",
+    "http_2_0_as_text": b"GET /health/live HTTP/2.0\r\nHost: x\r\n\r\n",
+    "no_host": b"GET /health/live HTTP/1.1\r\n\r\n",
+    "two_hosts": HEALTH + b"Host: y\r\n\r\n",
+    "header_without_colon": HEALTH + b"NoColon\r\n\r\n",
+    "control_char_in_target": b"GET /health/\x01 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "obsolete_line_folding": HEALTH + b"X-A: a\r\n folded\r\n\r\n",
+    "http2_preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_request_gets_the_contract_error_with_a_request_id(door: Proc, request_bytes: bytes) -> None:
+    with closing(connect(door)) as sock:
+        sock.sendall(request_bytes)
+        response = read_all(sock)
+    assert status_of(response) in (400, 505), response
+    assert b"content-type: application/json" in response
+    assert b"x-typesafe-request-id: req_" in response
+    assert json_body(response)["detail"]["error_type"] == "invalid_request_error"
+    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+
+
+def test_connect_gets_405_with_the_contract_error(door: Proc) -> None:
+    with closing(connect(door)) as sock:
+        sock.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
+        response = read_all(sock)
+    assert status_of(response) == 405, response
+    assert b"x-typesafe-request-id: req_" in response
+    assert json_body(response)["detail"]["error_type"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("upgrade", [
+    b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+    b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\n"], ids=["h2c", "websocket"])
+def test_an_upgrade_is_ignored_and_answered_over_http_1_1_on_a_kept_connection(door: Proc, upgrade: bytes) -> None:
+    with closing(connect(door)) as sock:
+        sock.sendall(HEALTH + upgrade + b"\r\n")
+        first = read_response(sock)
+        sock.sendall(HEALTH + b"\r\n")  # the same connection serves the next request
+        second = read_response(sock)
+    for response in (first, second):
+        assert response.startswith(b"HTTP/1.1 200"), response
+        assert b"x-typesafe-request-id: req_" in response
+
+
 # --- the key before the body ---------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from common.jobs import job_created_at, new_job_id
+from common.jobs import JobIds
 from common.queue import keys
 from common.settings import Settings
 from tests.conftest import Stack
@@ -33,7 +33,7 @@ def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: 
     job = r.json()
     finished = {"result"} if job["status"] == "succeeded" else set()  # a fast engine may be done already
     assert set(job) == {"id", "status", "created_at", "deadline_at"} | finished
-    assert re.fullmatch(r"job_[0-9a-f]{44}", job["id"])
+    assert re.fullmatch(r"job_[0-9a-f]{60}", job["id"])
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["status"] in ("queued", "running", "succeeded")
 
@@ -139,20 +139,41 @@ def test_a_lost_job_says_so_apart_from_an_unknown_or_expired_one(scripted_stack:
     assert "submit the request again" in lost.json()["detail"]["message"]
     assert httpx.delete(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10).status_code == 410
 
-    ttl = Settings(_env_file=None).job_result_ttl  # type: ignore[call-arg]  # the stack's: the default
-    expired = new_job_id(time.time() - ttl - 60)  # older than any record is kept: it expired, or never was
+    settings = Settings(_env_file=None, redis_url=scripted_stack.redis_url)  # type: ignore[call-arg]  # the stack's
+    issued = JobIds(settings.job_id_key)  # the stack's own ids: its key derives from the Redis URL it shares
+    ttl = settings.job_result_ttl
+    expired = issued.new(time.time() - ttl - 60)  # older than any record is kept: it expired, or never was
     for job_id in (expired, f"job_{'0' * 32}", "job_not-an-id"):
         gone = httpx.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
         assert gone.status_code == 404, job_id
         assert gone.json()["detail"]["error_type"] == "not_found_error"
+    lost_too = httpx.get(f"{scripted_stack.url}/v1/jobs/{issued.new(time.time())}", timeout=10)
+    assert lost_too.status_code == 410  # issued by this server (its tag), younger than the TTL, no record
 
 
-def test_a_job_id_carries_its_creation_time_and_128_random_bits() -> None:
+def test_a_job_id_the_server_never_issued_is_unknown_not_lost(scripted_stack: Stack) -> None:
+    now_ms = f"{int(time.time() * 1000):012x}"
+    forged = JobIds(b"not the server's key").new(time.time())
+    for job_id in (f"job_{now_ms}{'0' * 32}", f"job_{now_ms}{'0' * 48}", forged):
+        unknown = httpx.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
+        assert unknown.status_code == 404, (job_id, unknown.text)
+        assert unknown.json()["detail"]["error_type"] == "not_found_error"
+        assert httpx.delete(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10).status_code == 404
+
+
+def test_a_job_id_carries_its_creation_time_128_random_bits_and_its_servers_tag() -> None:
     now = time.time()
-    ids = {new_job_id(now) for _ in range(100)}
-    assert len(ids) == 100
-    assert {round(job_created_at(job_id) or 0, 3) for job_id in ids} == {round(int(now * 1000) / 1000, 3)}
-    assert job_created_at(f"job_{'0' * 32}") is None and job_created_at("job_x") is None
+    ids = JobIds(b"key one")
+    issued = {ids.new(now) for _ in range(100)}
+    assert len(issued) == 100
+    assert {round(ids.created_at(job_id) or 0, 3) for job_id in issued} == {round(int(now * 1000) / 1000, 3)}
+    assert ids.created_at(f"job_{'0' * 32}") is None and ids.created_at("job_x") is None
+    assert all(JobIds(b"key two").created_at(job_id) is None for job_id in issued)
+    one = next(iter(issued))
+    flipped = one[:-1] + ("0" if one[-1] != "0" else "1")
+    assert ids.created_at(flipped) is None
+    assert Settings(redis_url="redis://:a@h:1/0").job_id_key != Settings(redis_url="redis://:b@h:1/0").job_id_key
+    assert Settings(job_id_secret="s", redis_url="redis://:a@h:1/0").job_id_key == b"s"
 
 
 @pytest.mark.parametrize("case", ["missing-state", "type-boolean", "too-many-options", "over-token-budget"])
