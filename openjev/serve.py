@@ -31,8 +31,9 @@ ENGINE_START_TIMEOUT = 1800.0  # the CPU engine's first start converts the GGUF 
 SGLANG_START_TIMEOUT = 2400.0  # SGLang's first start downloads the weights; every start captures CUDA graphs
 SGLANG_STOP_TIMEOUT = 30.0  # SGLang stops its scheduler and detokenizer before it exits; a busy CPU slows that
 SECRETS_NEEDED = {  # the secrets in serve's environment that each child needs; the others are kept from it
-    "api": {"OPENJEV_API_KEY", "OPENJEV_REDIS_URL", "OPENJEV_JOB_ID_SECRET"},  # the URL holds Redis's password
-    "worker": {"OPENJEV_REDIS_URL", "OPENJEV_BACKEND_API_KEY"},
+    "api": {"OPENJEV_API_KEY", "OPENJEV_REDIS_URL", "OPENJEV_REDIS_PASSWORD", "OPENJEV_JOB_ID_SECRET"},  # the URL
+    # (or the password setting) holds Redis's password
+    "worker": {"OPENJEV_REDIS_URL", "OPENJEV_REDIS_PASSWORD", "OPENJEV_BACKEND_API_KEY"},
     "engine": {"OPENJEV_BACKEND_API_KEY"},
 }
 SECRETS = set().union(*SECRETS_NEEDED.values())
