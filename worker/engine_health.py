@@ -10,6 +10,7 @@ timeouts, is taken out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ class EngineHealth:
         self._unresponsive_since: float | None = None  # start of the probes failing with the engine idle
         self._refusals = 0  # consecutive
         self._refused = False  # a refusal since the last healthy probe: out until healthy again
+        self._recheck = asyncio.Event()  # set by `suspect`: probe now rather than at the next interval
 
     async def probe(self) -> Probe:
         """Probe `/health` once and record the result."""
@@ -92,10 +94,19 @@ class EngineHealth:
                 or unresponsive >= self.policy.down_after_timeouts * self.policy.timeout):
             self.down.set()
 
+    def suspect(self) -> None:
+        """A call just failed for the engine's sake (unreachable, reset, 5xx, hung): out of routing until a
+        probe finds it healthy again, so no new job is routed to an engine that may be gone."""
+        self._refused = True
+        self.routable = False
+        self._recheck.set()
+
     async def watch(self) -> None:
-        """Probe on schedule until the engine is down."""
+        """Probe on schedule, or at once after a `suspect`, until the engine is down."""
         while not self.down.is_set():
-            await asyncio.sleep(self.policy.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._recheck.wait(), self.policy.interval)
+            self._recheck.clear()
             result = await self.probe()
             if result is not Probe.healthy:
                 log.warning("engine health probe: %s (routed: %s)", result.value, self.routable)

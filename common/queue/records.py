@@ -28,16 +28,17 @@ NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
 
 # KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
-# job has not ended; then it is running here and the reply is {created_at, deadline_at, now} by Redis's
-# clock. A
-# running job is taken again only by its own placement (the worker that serves its queue restarted).
+# job has not ended; then it is running here, its `attempts` (starts, anywhere) count one more, and the
+# reply is {created_at, deadline_at, now, attempts} by Redis's clock. A running job is taken again only
+# by its own placement (the worker that serves its queue restarted).
 _START = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now))
-return {f[3], f[4], tostring(now)}
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {f[3], f[4], tostring(now), attempts}
 """
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
@@ -97,10 +98,12 @@ return f
 
 @dataclass(frozen=True)
 class Started:
-    """A job its placement's worker may run now: the seconds it waited and those left before its deadline."""
+    """A job its placement's worker may run now: the seconds it waited and those left before its deadline,
+    and how many times it has been started, this time included (engine failures and crashes re-run it)."""
 
     waited: float
     remaining: float
+    attempts: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class JobRecord:
     queue: str
     worker: str | None
     outcome: JobOutcome | None
+    attempts: int = 0  # times a worker started it (more than one after an engine failure or a crash)
+    last_failure: str | None = None  # why the latest attempt that failed for the engine's sake was run again
 
 
 class JobStore:
@@ -137,8 +142,8 @@ class JobStore:
         reply = await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))], args=[arq_job_id, worker_id])
         if reply is None:
             return None
-        created_at, deadline_at, now = (float(v) for v in reply)
-        return Started(waited=now - created_at, remaining=deadline_at - now)
+        created_at, deadline_at, now = (float(v) for v in reply[:3])
+        return Started(waited=now - created_at, remaining=deadline_at - now, attempts=int(reply[3]))
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
@@ -201,4 +206,6 @@ def _record(job_id: str, fields: dict[str, Any]) -> JobRecord:
         queue=fields.get("queue", ""),
         worker=fields.get("worker"),
         outcome=JobOutcome.model_validate(orjson.loads(outcome)) if outcome else None,
+        attempts=int(fields.get("attempts", 0)),
+        last_failure=fields.get("last_failure"),
     )
