@@ -63,6 +63,8 @@ class EngineHealth:
         self._refusals = 0  # consecutive
         self._refused = False  # a refusal since the last healthy probe: out until healthy again
         self._recheck = asyncio.Event()  # set by `suspect`: probe now rather than at the next interval
+        self.answering = asyncio.Event()  # clear from a refusal or a failed call until a probe finds it healthy
+        self.answering.set()
 
     async def probe(self) -> Probe:
         """Probe `/health` once and record the result."""
@@ -83,7 +85,10 @@ class EngineHealth:
         if result is Probe.healthy:
             self._unresponsive_since, self._refusals, self._refused = None, 0, False
             self.routable = True
+            self.answering.set()
             return
+        if result is Probe.refused:
+            self.answering.clear()
         if self._unresponsive_since is None or self._last_seen_working() > self._unresponsive_since:
             self._unresponsive_since = started  # it worked on calls meanwhile: busy so far, count from here
         self._refusals = self._refusals + 1 if result is Probe.refused else 0
@@ -99,6 +104,7 @@ class EngineHealth:
         probe finds it healthy again, so no new job is routed to an engine that may be gone."""
         self._refused = True
         self.routable = False
+        self.answering.clear()
         self._recheck.set()
 
     async def watch(self) -> None:

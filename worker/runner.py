@@ -75,6 +75,9 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
     job's (moved, cancelled, expired) is neither run nor stored."""
     arq_job_id: str = ctx["job_id"]
     store: JobStore = ctx["store"]
+    # After a failed call, no job starts (and spends one of its MAX_RUNS) until a probe finds the engine
+    # answering again; should it be down for good, the worker stops and arq keeps the job queued.
+    await ctx["health"].answering.wait()
     started = await store.start(arq_job_id, ctx["worker_id"])
     if started is None:
         return
