@@ -38,6 +38,8 @@ class JobView(BaseModel):
     result: dict[str, Any] | None = Field(
         default=None, description="When `succeeded`: exactly the body /v1/systemone returns (SystemOneResponse)")
     error: ErrorDetail | None = Field(default=None, description="When failed, cancelled or expired")
+    attempts: int | None = Field(default=None, description="Times a worker has started the job, shown once it "
+                                 "is above 1: an engine failure or a worker crash had it run again")
 
 
 class IdempotencyConflict(ApiError):
@@ -156,6 +158,7 @@ def _view(record: JobRecord | None) -> JobView:
         deadline_at=_rfc3339(record.deadline_at),
         result=outcome.result if outcome and outcome.status is JobStatus.succeeded else None,
         error=outcome.error if outcome and outcome.status is not JobStatus.succeeded else None,
+        attempts=record.attempts if record.attempts > 1 else None,
     )
 
 

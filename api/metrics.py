@@ -19,6 +19,7 @@ WORKER_FIGURES = {  # WorkerCounters field -> help text
     "branch_prompt_tokens": "Prompt tokens of branch calls",
     "branch_cached_tokens": "Branch-call prompt tokens found in the engine's prefix cache",
     "engine_errors": "Engine calls that failed",
+    "jobs_rerun": "Jobs queued to run again after their engine failed them",
     "aborts_sent": "Abort requests sent to the engine for cancelled branch calls",
 }
 

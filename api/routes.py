@@ -87,7 +87,8 @@ def _result_headers(outcome: JobOutcome, prepare_seconds: float) -> dict[str, st
     t = outcome.timings
     timing = ", ".join(f"{name};dur={seconds * 1000:.1f}" for name, seconds in (
         ("queue", t.queue), ("prepare", prepare_seconds), ("prefill", t.prefill), ("branches", t.branches)))
-    headers = {"x-openjev-prefix-tokens": str(outcome.prefix_tokens), "Server-Timing": timing}
+    headers = {"x-openjev-prefix-tokens": str(outcome.prefix_tokens), "x-openjev-attempts": str(outcome.attempts),
+               "Server-Timing": timing}
     if outcome.cached_tokens is not None:
         headers["x-openjev-cached-tokens"] = str(outcome.cached_tokens)
     return headers

@@ -7,6 +7,13 @@ one worker is SIGKILLed midway and restarted with the same worker id.
 Prints requests sent, answered (200), 504, 529/503, other errors and lost: sent with no final
 answer (a sync request without any HTTP response, an async job not terminal by its deadline plus
 a margin). Lost must be 0; the exit status is 1 otherwise. Figures: bench/RESULTS-chaos.md.
+
+The engine crash (issue 28): N async jobs accepted at once, then one engine SIGKILLed while its
+worker runs one of them; every job must succeed (exit status 1 otherwise):
+
+    uv run --extra cpu --extra dev python -m bench.chaos --fault engine [--jobs 50]           # 2 workers
+    uv run --extra cpu --extra dev python -m bench.chaos --fault engine --serve [--jobs 50]   # openjev serve,
+                                                         # restarted on the same Redis directory
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from tests.processes import Proc, openjev, spawn, start_scripted_engine, start_w
 
 REQUEST_TIMEOUT = 20.0  # the sync deadline: long enough to outlast a worker restart (lease ≤ 5 s)
 JOB_TIMEOUT = 30.0
+CRASH_JOB_TIMEOUT = 300.0  # --fault engine: the async deadline, room for 50 jobs queued on busy CPU engines
 LOST_MARGIN = 15.0  # seconds past a deadline after which a request with no final answer is lost
 START_TIMEOUT = 600.0
 SCRIPTED_DELAY = 0.05  # seconds the scripted engine stalls each prompt
@@ -210,13 +218,14 @@ def start_engine(kind: str, index: int, log_dir: Path) -> Proc:
     return engine
 
 
-def start_cluster(engine_kind: str, log_dir: Path) -> tuple[Cluster, subprocess.Popen[bytes]]:
+def start_cluster(engine_kind: str, log_dir: Path, job_timeout: float = JOB_TIMEOUT
+                  ) -> tuple[Cluster, subprocess.Popen[bytes]]:
     from worker.cpu_engine.model import ensure_converted
 
     model_dir = ensure_converted(model_cache_dir())
     redis_process, redis_url = start_redis()
     env = stack_env(redis_url, model_dir, OPENJEV_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
-                    OPENJEV_JOB_TIMEOUT=str(JOB_TIMEOUT))
+                    OPENJEV_JOB_TIMEOUT=str(job_timeout))
     engines = [start_engine(engine_kind, i, log_dir) for i in range(2)]
     api_port = free_port()
     api = spawn("chaos-api", openjev("api", "--port", str(api_port)), env, log_dir)
@@ -294,6 +303,124 @@ def report(tally: Tally, events: list[str], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+async def accept(client: httpx.AsyncClient, count: int) -> list[str]:
+    """`count` async jobs (seeded mix of states and questions), all accepted (202)."""
+    rng = random.Random(count)
+    jobs = []
+    for i in range(count):
+        payload = {"model": "jev-latest", "state": f"{rng.choice(STATES)} (ticket {i})",
+                   "questions": rng.choice(QUESTIONS)}
+        submitted = await client.post("/v1/jobs", json=payload, timeout=30)
+        assert submitted.status_code == 202, submitted.text
+        jobs.append(submitted.json()["id"])
+    return jobs
+
+
+async def outcomes(client: httpx.AsyncClient, jobs: list[str], patience: float) -> Counter[str]:
+    """How each job ended ("succeeded", "failed: engine_error", ..., or "pending" past `patience` s)."""
+    give_up = time.monotonic() + patience
+
+    async def one(job_id: str) -> str:
+        while time.monotonic() < give_up:
+            try:
+                view = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 10}, timeout=20)).json()
+            except httpx.HTTPError:
+                await asyncio.sleep(0.5)
+                continue
+            if view["status"] not in ("queued", "running"):
+                error = (view.get("error") or {}).get("error_type")
+                ran = view.get("attempts", 1)
+                return view["status"] + (f": {error}" if error else "") + (f" (attempts {ran})" if ran > 1 else "")
+        return "pending"
+
+    return Counter(await asyncio.gather(*(one(job_id) for job_id in jobs)))
+
+
+async def until_in_flight(engine_url: str) -> dict:
+    """The CPU engine's counters once it holds a prompt."""
+    async with httpx.AsyncClient() as client:
+        while not (stats := (await client.get(f"{engine_url}/stats", timeout=5)).json())["queue_depth"]:
+            await asyncio.sleep(0.02)
+    return stats
+
+
+async def engine_crash_in_fleet(cluster: Cluster, count: int) -> tuple[Counter[str], list[str]]:
+    """Accept `count` jobs on 2 workers, SIGKILL chaos-0's engine while it works; every job's ending."""
+    async with httpx.AsyncClient(base_url=cluster.api.url or "") as client:
+        for worker_id in cluster.workers:
+            await cluster.wait_live(client, worker_id)
+        began = time.monotonic()
+        jobs = await accept(client, count)
+        events = [f"{time.monotonic() - began:5.1f} s  {count} jobs accepted (202)"]
+        running, queued = await _busy(cluster.redis_url, "chaos-0")
+        await until_in_flight(cluster.engines[0].url or "")
+        cluster.engines[0].kill()
+        events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL chaos-0's engine with {running} job(s) running "
+                      f"and {queued} in chaos-0's queue; nothing restarted")
+        ended = await outcomes(client, jobs, CRASH_JOB_TIMEOUT + LOST_MARGIN)
+        events.append(f"{time.monotonic() - began:5.1f} s  every job ended")
+    code = cluster.workers["chaos-0"].process.wait(60)
+    events.append(f"chaos-0 exited with {code} (its engine is down)")
+    lines = [line for proc in cluster.workers.values() for line in proc.output().splitlines()]
+    events += [f"worker log: {n} x 'runs again' (engine failures), {sum('moved' in line for line in lines)} x moved"
+               for n in [sum("runs again" in line for line in lines)]]
+    return ended, events
+
+
+async def engine_crash_under_serve(count: int, log_dir: Path) -> tuple[Counter[str], list[str]]:
+    """Accept `count` jobs on `openjev serve` (1 worker, CPU engine), SIGKILL its engine while it works,
+    then start serve again on the same Redis directory, as its platform would; every job's ending."""
+    import os
+    import signal
+
+    from tests.test_faults import child, port_of, start_serve, stop_serve
+
+    redis_dir = str(log_dir / "redis")
+    began = time.monotonic()
+    first = start_serve(log_dir, OPENJEV_REDIS_DIR=redis_dir)
+    events = [f"{time.monotonic() - began:5.1f} s  serve ready"]
+    try:
+        engine_pid, engine_cmd = child(first.process, "engine")
+        async with httpx.AsyncClient(base_url=first.url) as client:
+            jobs = await accept(client, count)
+        events.append(f"{time.monotonic() - began:5.1f} s  {count} jobs accepted (202)")
+        await until_in_flight(f"http://127.0.0.1:{port_of(engine_cmd)}")
+        os.kill(engine_pid, signal.SIGKILL)
+        events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL the engine")
+        code = first.process.wait(120)
+        events.append(f"{time.monotonic() - began:5.1f} s  serve exited with {code}")
+    finally:
+        stop_serve(first)
+    second = start_serve(log_dir, OPENJEV_REDIS_DIR=redis_dir)
+    events.append(f"{time.monotonic() - began:5.1f} s  serve restarted on the same Redis directory, ready")
+    try:
+        async with httpx.AsyncClient(base_url=second.url) as client:
+            ended = await outcomes(client, jobs, 600)
+        events.append(f"{time.monotonic() - began:5.1f} s  every job ended")
+    finally:
+        stop_serve(second)
+    return ended, events
+
+
+def engine_crash(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="openjev-chaos-"))
+    shape = "openjev serve (1 worker, CPU engine)" if args.serve else f"{ENGINES[args.engine]}, 2 workers, 1 API"
+    print(f"engine crash: {args.jobs} async jobs on {shape} (logs in {log_dir})", flush=True)
+    if args.serve:
+        ended, events = asyncio.run(engine_crash_under_serve(args.jobs, log_dir))
+    else:
+        cluster, redis_process = start_cluster(args.engine, log_dir, CRASH_JOB_TIMEOUT)
+        try:
+            ended, events = asyncio.run(engine_crash_in_fleet(cluster, args.jobs))
+        finally:
+            cluster.stop()
+            redis_process.terminate()
+    succeeded = sum(n for ending, n in ended.items() if ending.startswith("succeeded"))
+    print(f"succeeded {succeeded}/{args.jobs}")
+    print("\n".join([*(f"  {ending}: {n}" for ending, n in sorted(ended.items())), *events]))
+    return 0 if succeeded == args.jobs else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=60, help="requests sent in all (default 60)")
@@ -302,7 +429,15 @@ def main() -> int:
                         help="picks each request's kind, state and questions, and the victim")
     parser.add_argument("--kill-at", type=float, default=0.35, help="fraction of the duration at which to kill")
     parser.add_argument("--engine", choices=sorted(ENGINES), default="cpu", help="default: cpu")
+    parser.add_argument("--fault", choices=["worker", "engine"], default="worker",
+                        help="worker: SIGKILL a worker under steady load (default); engine: SIGKILL an engine "
+                        "with --jobs async jobs accepted")
+    parser.add_argument("--jobs", type=int, default=50, help="--fault engine: async jobs accepted (default 50)")
+    parser.add_argument("--serve", action="store_true",
+                        help="--fault engine: under `openjev serve` with one worker, restarted on the same Redis")
     args = parser.parse_args()
+    if args.fault == "engine":
+        return engine_crash(args)
     log_dir = Path(tempfile.mkdtemp(prefix="openjev-chaos-"))
     print(f"starting Redis, {ENGINES[args.engine]}, 2 workers and the API (logs in {log_dir})", flush=True)
     cluster, redis_process = start_cluster(args.engine, log_dir)

@@ -136,6 +136,7 @@ class JobOutcome(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     worker_id: str | None = None
     finished_at: float = Field(default_factory=time.time)
+    attempts: int = 1  # times a worker started the job, this one included (an engine failure or a crash re-runs it)
 
 
 def serialize(obj: Any) -> bytes:

@@ -156,6 +156,10 @@ class Settings(BaseSettings):
     engine_max_answer_bytes: int = Field(
         default=1024 * 1024, ge=4096, description="The most response bytes the worker reads per prompt of an "
         "engine call; a bigger answer fails the job with 502 engine_error.")
+    engine_call_limit: float = Field(
+        default=300.0, gt=0, description="Seconds one engine call may go unanswered before the worker counts the "
+        "engine as hung and runs the job again (elsewhere, or once the engine answers); the job's deadline still "
+        "bounds it.")
     sglang_version: str | None = Field(default=None, description="e.g. 0.5.19 enables the #34719 workaround.")
     engine_health_interval: float = Field(default=2.0, gt=0, description="Seconds between engine health probes.")
     engine_health_timeout: float = Field(

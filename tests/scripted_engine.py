@@ -38,6 +38,7 @@ class Script:
         self.fail_status = 500
         self.fail_delay = 0.0  # seconds before the scripted failure is answered
         self.fail_body: Any = None  # the failure's JSON body (e.g. an answer captured from SGLang); None: a generic one
+        self.fail_times: int | None = None  # how many calls fail before the engine answers again; None: every one
         self.register_delay = 0.0  # seconds before a call can be aborted; an earlier abort is dropped (SGLang's
         #                            Python frontend answers it 200 and the call runs to completion)
         self.report_cached = True  # False imitates an engine without cached_tokens (0.5.19's Rust frontend)
@@ -89,8 +90,11 @@ def create_app() -> FastAPI:
     async def generate(request: Request) -> Response:
         body = orjson.loads(await request.body())
         prompts = batch_items(body)
-        items = [asyncio.create_task(run_prompt(rid, ids, labels)) for rid, ids, labels in prompts]
         failing = [rid for rid, _, _ in prompts if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix)]
+        if failing and script.fail_times is not None:
+            failing = failing if script.fail_times > 0 else []
+            script.fail_times = max(0, script.fail_times - 1)
+        items = [asyncio.create_task(run_prompt(rid, ids, labels, rid in failing)) for rid, ids, labels in prompts]
         if failing:
             # The call fails as a whole; its other prompts stay live in the engine until they end or are aborted.
             background.update(items)
@@ -108,10 +112,10 @@ def create_app() -> FastAPI:
             return Response(bad_answer(script.bad_answer, answer), media_type="application/json")
         return Response(orjson.dumps(answer), media_type="application/json")
 
-    async def run_prompt(rid: str, ids: list[int], labels: list[int]) -> dict[str, Any]:
+    async def run_prompt(rid: str, ids: list[int], labels: list[int], failing: bool) -> dict[str, Any]:
         stats["requests_received"] += 1
         received.append(rid)
-        if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix):
+        if failing:
             return {}
         if script.register_delay:
             await asyncio.sleep(script.register_delay)

@@ -46,6 +46,7 @@ class SglangServe:
     url: str  # the API
     engine_url: str = ""  # SGLang itself
     redis_url: str = ""
+    redis_dir: Path | None = None
     cold_start_s: float = 0.0
     descendants: set[int] = field(default_factory=set)
 
@@ -62,13 +63,16 @@ class SglangServe:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def start_sglang_serve(frontend: str, python: str, model_dir: Path, log_dir: Path) -> SglangServe:
+def start_sglang_serve(frontend: str, python: str, model_dir: Path, log_dir: Path,
+                       redis_dir: Path | None = None) -> SglangServe:
+    """`redis_dir`: the embedded Redis's directory (a restart passes its predecessor's); default, a new one."""
     port = free_port()
     log = log_dir / f"serve-sglang-{frontend}-{time.monotonic_ns()}.log"
+    redis_dir = redis_dir or log.with_suffix(".redis")
     env = {**os.environ, "OPENJEV_CACHE_DIR": str(model_cache_dir().parent), "OPENJEV_MODEL": str(model_dir),
            "OPENJEV_SERVED_MODEL_NAME": CPU_MODEL_NAME, "OPENJEV_FRONTEND": frontend,
            "OPENJEV_SGLANG_DEVICE": "cpu", "OPENJEV_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT),
-           "OPENJEV_REDIS_DIR": str(log.with_suffix(".redis"))}
+           "OPENJEV_REDIS_DIR": str(redis_dir)}
     env.pop("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", None)  # /health runs its one-token generation
     started = time.monotonic()
     with log.open("wb") as handle:
@@ -83,7 +87,8 @@ def start_sglang_serve(frontend: str, python: str, model_dir: Path, log_dir: Pat
     served.cold_start_s = time.monotonic() - started
     served.engine_url = _logged(served, r"engine-0 ready at (http://\S+)")
     # serve logs its Redis's address without the password; that is in the data directory, 0600.
-    password = (log.with_suffix(".redis") / PASSWORD_FILE).read_text().strip()
+    served.redis_dir = redis_dir
+    password = (redis_dir / PASSWORD_FILE).read_text().strip()
     served.redis_url = _logged(served, r"embedded Redis on (redis://\S+)").replace("redis://", f"redis://:{password}@")
     served.descendants = _descendants(process.pid)
     return served

@@ -179,8 +179,9 @@ def test_malformed_json_is_422_not_5xx(scripted_stack: Stack) -> None:
 
 
 def test_a_failed_branch_cancels_and_aborts_its_siblings_in_the_engine(scripted_stack: Stack) -> None:
-    # b1 fails once its siblings are surely live in the engine (aborts of unknown rids do nothing)
-    scripted_stack.script(delay=5.0, fail_rid_suffix=".b1", fail_delay=1.0)
+    # b1 fails once its siblings are surely live in the engine (aborts of unknown rids do nothing), with a 400:
+    # a fault of the request, so the job fails at once (a 5xx would run it again: test_engine_failures.py)
+    scripted_stack.script(delay=5.0, fail_rid_suffix=".b1", fail_status=400, fail_delay=1.0)
     before = scripted_stack.engine_stats()
     r = scripted_stack.post(body({"a": NOUL, "b": NOUL, "c": NOUL, "d": NOUL}))
     assert r.status_code == 502

@@ -448,3 +448,55 @@ async def test_a_client_that_hangs_up_is_aborted_before_compute(slow_engine: str
     after = stats(slow_engine)
     assert after["requests_aborted"] - before["requests_aborted"] == 1
     assert after["forward_passes"] == before["forward_passes"]
+
+
+# ---- long prompts: chunked prefill, and aborts inside a forward pass ----
+
+
+def long_prompt(tokenizer: Any, tokens: int) -> list[int]:
+    """About `tokens` ids of varied text (a cold prompt for any test that salts it)."""
+    text = " ".join(f"Line {i}: the customer wrote again about order {i * 7919 % 10007}." for i in range(tokens // 8))
+    ids = tokenizer.encode(text)
+    assert len(ids) >= tokens
+    return ids[:tokens]
+
+
+def test_a_chunked_prefill_answers_as_one_pass_would_and_its_prefix_is_cached(
+        engine: str, model_dir: Path, tokenizer: Any, labels: list[int]) -> None:
+    from worker.cpu_engine.server import PREFILL_CHUNK
+
+    prefix = long_prompt(tokenizer, 4 * PREFILL_CHUNK + 37)  # several chunks and a ragged end
+    question = suffix(tokenizer, "Is this a long thread?")
+    key = salt()
+    generate(engine, warm_body(prefix, extra_key=key))
+    branch = generate(engine, score_body(prefix + question, labels, extra_key=key))
+    assert branch["meta_info"]["cached_tokens"] == len(prefix)  # the chunked warm call's KV was kept whole
+    loaded = engine_model.load_model(model_dir, dtype="float32")
+    logits, _ = loaded.forward(prefix + question, None)  # the whole prompt in one unchunked pass
+    expected = torch.log_softmax(logits, dim=-1)[labels].tolist()
+    assert label_logprobs(branch) == pytest.approx(expected, abs=1e-4)
+    cold = generate(engine, score_body(prefix + question, labels, extra_key=salt()))  # chunked, no cache at all
+    assert label_logprobs(cold) == pytest.approx(expected, abs=1e-4)
+
+
+async def test_an_abort_frees_the_engine_within_a_second_of_a_4000_token_prefill(
+        engine: str, tokenizer: Any, labels: list[int]) -> None:
+    prompt = long_prompt(tokenizer, 4000)
+    before = stats(engine)
+    async with httpx.AsyncClient(base_url=engine, timeout=600) as client:
+        call = asyncio.create_task(client.post("/generate", json=score_body(prompt, labels, rid="long",
+                                                                            extra_key=salt())))
+        while stats(engine)["prefill_chunks"] == before["prefill_chunks"]:  # until its prefill is under way
+            assert not call.done(), call.result().text
+            await asyncio.sleep(0.02)
+        aborted_at = asyncio.get_running_loop().time()
+        await client.post("/abort_request", json={"rid": "long"})
+        while stats(engine)["computes_stopped"] == before["computes_stopped"]:
+            await asyncio.sleep(0.01)
+        freed_after = asyncio.get_running_loop().time() - aborted_at
+        answer = (await asyncio.wait_for(call, timeout=5)).json()
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert freed_after < 1.0, f"the engine went on computing {freed_after:.2f} s after the abort"
+    after = stats(engine)
+    assert after["forward_passes"] == before["forward_passes"]  # the prompt was never computed to its logits
+    assert after["queue_depth"] == 0

@@ -225,3 +225,18 @@ def test_a_hung_engine_is_taken_out_of_routing_and_the_worker_exits_3(model_dir:
 def _one_question(state: str) -> dict[str, object]:
     return {"model": "jev-latest", "state": state,
             "questions": {"refund": {"type": "noul", "instructions": "Is the customer asking for money back?"}}}
+
+
+def test_a_failed_call_takes_the_engine_out_until_a_probe_gets_an_answer() -> None:
+    engine = Engine().probe(Probe.healthy)
+    engine.health.suspect()  # a call failed for the engine's sake (a 5xx, a reset)
+    assert not engine.health.routable and not engine.health.answering.is_set()
+    engine.probe(Probe.silent, 1.0)
+    assert not engine.health.routable and not engine.health.answering.is_set()
+    engine.probe(Probe.unhealthy, 1.0)  # SGLang's 503 when busy: it is there and answering
+    assert engine.health.routable and engine.health.answering.is_set()
+    engine.health.suspect()
+    engine.probe(Probe.refused, 0.001)
+    assert not engine.health.routable and not engine.health.answering.is_set()
+    engine.probe(Probe.healthy, 0.01)
+    assert engine.health.routable and engine.health.answering.is_set()

@@ -482,3 +482,39 @@ def test_under_serve_connect_a_worker_whose_engine_dies_stops_serve_nonzero(mode
         assert [cmd for pid, cmd in children.items() if alive(pid)] == []
     finally:
         stop_serve(served)
+
+
+def test_under_serve_jobs_whose_engine_died_run_once_serve_is_restarted_on_the_same_redis(
+        log_dir: Path, tmp_path: Path) -> None:
+    """The engine is SIGKILLed with async jobs accepted, one of them in flight: serve stops (its platform
+    restarts it); a new serve on the same Redis directory runs every job, none failed."""
+    redis_dir = str(tmp_path / "redis")
+    first = start_serve(log_dir, "--compute-delay", "1.0", OPENJEV_REDIS_DIR=redis_dir)
+    try:
+        engine_pid, engine_cmd = child(first.process, "engine")
+        engine_url = f"http://127.0.0.1:{port_of(engine_cmd)}"
+        before = engine_stats(engine_url)
+        jobs = []
+        for i in range(4):
+            submitted = httpx.post(first.url + "/v1/jobs", json=body(f"Engine crash, ticket {i}."), timeout=30)
+            assert submitted.status_code == 202, submitted.text
+            jobs.append(submitted.json()["id"])
+        wait_in_flight(engine_url, before)
+        os.kill(engine_pid, signal.SIGKILL)
+        assert first.process.wait(60) != 0
+    finally:
+        stop_serve(first)
+    second = start_serve(log_dir, "--compute-delay", "1.0", OPENJEV_REDIS_DIR=redis_dir)
+    try:
+        views = []
+        for job_id in jobs:
+            deadline = time.monotonic() + 300
+            while (view := httpx.get(f"{second.url}/v1/jobs/{job_id}", params={"wait": 10},
+                                     timeout=20).json())["status"] in ("queued", "running"):
+                assert time.monotonic() < deadline, f"job {job_id} still pending"
+            views.append(view)
+    finally:
+        stop_serve(second)
+    assert [v["status"] for v in views] == ["succeeded"] * len(jobs), views
+    assert all(set(v["result"]["answers"]) == {"refund"} for v in views)
+    assert max(v.get("attempts", 1) for v in views) >= 2  # the job in flight at the crash ran again

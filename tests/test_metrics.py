@@ -53,11 +53,12 @@ def test_metrics_need_the_key_when_one_is_set(scripted_stack: Stack) -> None:
 
 
 def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) -> None:
-    scripted_stack.script(delay=2.0, fail_rid_suffix=".b1", fail_delay=0.5)
+    # a 400 fails the job at once (a 5xx would run it again, test_engine_failures.py)
+    scripted_stack.script(delay=2.0, fail_rid_suffix=".b1", fail_status=400, fail_delay=0.5)
     try:
         r = scripted_stack.post(body({"a": NOUL, "b": NOUL, "c": NOUL}))
     finally:
-        scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_delay=0.0)
+        scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_status=500, fail_delay=0.0)
     assert r.status_code == 502
     time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)
     m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)

@@ -262,7 +262,8 @@ def test_the_final_round_is_sent_after_the_groups_answer(scripted: Stack) -> Non
 
 @pytest.mark.integration
 def test_a_failing_final_round_fails_the_request_with_an_engine_error(scripted: Stack) -> None:
-    scripted.script(delay=0.0, fail_rid_suffix=".b3", slow_rid_infix=None)
+    # a 400, the request's own fault, fails it at once (a 5xx would run it again: test_engine_failures.py)
+    scripted.script(delay=0.0, fail_rid_suffix=".b3", fail_status=400, slow_rid_infix=None)
     response = scripted.post(grouped_body(TEN))
     assert response.status_code == 502, response.text
     assert response.json()["detail"]["error_type"] == "engine_error"

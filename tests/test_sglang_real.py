@@ -9,6 +9,8 @@ skipped without it, failed without it when `OPENJEV_REQUIRE_SGLANG=1` (CI)."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -186,3 +188,44 @@ def test_16_concurrent_requests_all_succeed_while_the_worker_stays_live(sglang: 
     assert max(watch.ages) < 3.0  # the routing set drops a worker silent for 5 s
     assert all(watch.engine_ok), "the worker reported its engine down during the run"
     assert sglang.process.poll() is None
+
+
+def test_a_job_in_flight_when_sglangs_scheduler_dies_succeeds_once_serve_is_restarted(
+        sglang: SglangServe, model_dir: Path, log_dir: Path) -> None:
+    """Last in the module: it ends the module's serve. SGLang's scheduler is SIGKILLed under an async
+    job; SGLang and then serve stop; serve restarted on the same Redis directory runs the job again."""
+    state = " ".join(f"Message {i}: my order {i * 7919 % 10007} still has not arrived." for i in range(300))
+    submitted = httpx.post(sglang.url + "/v1/jobs", json=body(state), timeout=60)
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["id"]
+    client = redis.Redis.from_url(sglang.redis_url)
+    try:
+        deadline = time.monotonic() + 120
+        while client.hget(keys.job_key(job_id), "status") != b"running":
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+    finally:
+        client.close()
+    schedulers = [pid for pid in sglang.descendants if "sglang::scheduler" in _cmdline(pid)]
+    assert schedulers, "no sglang::scheduler process under serve"
+    os.kill(schedulers[0], signal.SIGKILL)
+    assert sglang.process.wait(300) != 0  # SGLang stops without its scheduler, and serve with it
+    assert sglang.redis_dir is not None
+    again = start_sglang_serve(sglang.frontend, sglang_python(), model_dir, log_dir, redis_dir=sglang.redis_dir)
+    try:
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        while (view := httpx.get(f"{again.url}/v1/jobs/{job_id}", params={"wait": 10},
+                                 timeout=30).json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, "the job did not end after the restart"
+    finally:
+        assert stop_sglang_serve(again) == []
+    assert view["status"] == "succeeded", view
+    assert view.get("attempts", 1) >= 2  # it was running when the scheduler died, and ran again
+    assert set(view["result"]["answers"]) == set(EXAMPLE_REQUEST["questions"])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

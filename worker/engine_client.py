@@ -44,9 +44,21 @@ class EngineError(Exception):
     """The engine failed a call (HTTP error, malformed or untrustworthy answer, unreachable)."""
 
 
-class EngineAborted(EngineError):
+class EngineUnavailable(EngineError):
+    """The engine could not answer the call (unreachable, connection reset, a 5xx, no answer within the
+    call limit, or it aborted the call itself): nothing about the request caused it, so the job may run
+    again, on another engine or on this one once it answers again."""
+
+
+class EngineAborted(EngineUnavailable):
     """The engine reports the call as aborted (200 with an abort finish reason, or the Rust
-    frontend's 499, or its 500 "response truncated before completion")."""
+    frontend's 499, or its 500 "response truncated before completion"). The worker's own aborts
+    cancel the job first, so one that reaches the job came from the engine (a restart, an abort_all)."""
+
+
+class EngineRefused(EngineError):
+    """The engine refused the request itself with a 4xx (a prompt over its context, a label id
+    outside its vocabulary): running the job again would fail the same way."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +100,18 @@ class EngineClient:
     """Talks to one engine over a pooled HTTP connection."""
 
     def __init__(self, base_url: str, api_key: str | None = None, max_connections: int = 128,
-                 warm_token_ids_logprob: bool = False, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
+                 warm_token_ids_logprob: bool = False, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+                 call_limit: float | None = None) -> None:
         """`warm_token_ids_logprob`: send `token_ids_logprob` on the warm call too (SGLang 0.5.19,
         sgl-project/sglang#34719, crashes when a batch mixes requests with and without it).
-        `max_answer_bytes`: the most response bytes read per prompt of a call; a bigger answer is an error."""
+        `max_answer_bytes`: the most response bytes read per prompt of a call; a bigger answer is an error.
+        `call_limit`: seconds a call may go unanswered before the engine counts as hung (EngineUnavailable);
+        None: only the job's deadline bounds it."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = EngineHttp(base_url, headers, max_connections=max_connections)
         self.warm_token_ids_logprob = warm_token_ids_logprob
         self.max_answer_bytes = max_answer_bytes
+        self.call_limit = call_limit
         self._repeats = BackgroundWork(log)  # aborts being sent again
         self.last_answer_at = 0.0  # monotonic time of the last 200 answer: proof the engine makes progress
         self.in_flight = 0  # calls sent and not answered yet
@@ -165,23 +181,24 @@ class EngineClient:
     async def _generate(self, body: bytes, rid: str, prompts: int, timeout: float) -> Any:
         """POST /generate and return its decoded JSON, read no further than the answer bound."""
         limit = prompts * self.max_answer_bytes
+        hung = self.call_limit is not None and self.call_limit < timeout  # the call limit ends it before the deadline
         self.in_flight += 1
         try:
-            async with self._http.stream("POST", "/generate", max(timeout, 0.001), body) as response:
+            async with self._http.stream("POST", "/generate", max(min(timeout, self.call_limit or timeout), 0.001),
+                                         body) as response:
                 raw = await _read_bounded(response, limit)
         except TimeoutException as exc:
+            if hung:
+                raise EngineUnavailable(f"engine call {rid} got no answer within {self.call_limit:g} s") from exc
             raise TimeoutError(f"engine call {rid} timed out") from exc
         except TRANSPORT_ERRORS as exc:
-            raise EngineError(f"engine unreachable: {exc!r}") from exc
+            raise EngineUnavailable(f"engine unreachable: {exc!r}") from exc
         finally:
             self.in_flight -= 1
         if raw is None:
             raise EngineError(f"engine answer to {rid} exceeds {limit} bytes ({prompts} prompts)")
         if response.status != 200:
-            message = _error_message(raw)
-            if _is_abort(response.status, message):
-                raise EngineAborted(f"engine aborted {rid}: {message}")
-            raise EngineError(f"engine answered {response.status}: {message}")
+            raise _http_error(response.status, _error_message(raw), rid)
         self.last_answer_at = time.monotonic()
         try:
             return orjson.loads(raw)
@@ -242,6 +259,17 @@ def _meta_info(answer: Any, rid: str) -> dict[str, Any]:
 
 def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+def _http_error(status: int, message: str, rid: str) -> EngineError:
+    """What an engine's non-200 answer means: an abort, the engine's fault (5xx, 429), or the request's (4xx)."""
+    if _is_abort(status, message):
+        return EngineAborted(f"engine aborted {rid}: {message}")
+    if status >= 500 or status == 429:
+        return EngineUnavailable(f"engine answered {status}: {message}")
+    if 400 <= status < 500:
+        return EngineRefused(f"engine answered {status}: {message}")
+    return EngineError(f"engine answered {status}: {message}")
 
 
 def _is_abort(status: int, message: str) -> bool:

@@ -10,6 +10,7 @@ timeouts, is taken out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -61,6 +62,12 @@ class EngineHealth:
         self._unresponsive_since: float | None = None  # start of the probes failing with the engine idle
         self._refusals = 0  # consecutive
         self._refused = False  # a refusal since the last healthy probe: out until healthy again
+        self._suspected = False  # a call failed for the engine's sake: out until a probe gets an answer
+        self._recheck = asyncio.Event()  # set by `suspect`: probe now rather than at the next interval
+        # Clear from a refusal or a failed call until a probe gets an HTTP answer (200, or SGLang's 503 when
+        # busy: it is there and answering): the worker starts no job meanwhile.
+        self.answering = asyncio.Event()
+        self.answering.set()
 
     async def probe(self) -> Probe:
         """Probe `/health` once and record the result."""
@@ -79,23 +86,40 @@ class EngineHealth:
     def record(self, result: Probe, started: float, now: float) -> None:
         """Fold one probe (begun at `started`, ended at `now`, monotonic) into `routable` and `down`."""
         if result is Probe.healthy:
-            self._unresponsive_since, self._refusals, self._refused = None, 0, False
+            self._unresponsive_since, self._refusals, self._refused, self._suspected = None, 0, False, False
             self.routable = True
+            self.answering.set()
             return
+        if result is Probe.unhealthy:
+            self._suspected = False
+            self.answering.set()
+        elif result is Probe.refused:
+            self.answering.clear()
         if self._unresponsive_since is None or self._last_seen_working() > self._unresponsive_since:
             self._unresponsive_since = started  # it worked on calls meanwhile: busy so far, count from here
         self._refusals = self._refusals + 1 if result is Probe.refused else 0
         self._refused = self._refused or result is Probe.refused
         unresponsive = now - self._unresponsive_since
-        self.routable = not self._refused and unresponsive < self.policy.out_after_timeouts * self.policy.timeout
+        self.routable = (not self._refused and not self._suspected
+                         and unresponsive < self.policy.out_after_timeouts * self.policy.timeout)
         if (self._refusals >= self.policy.refusals_before_down
                 or unresponsive >= self.policy.down_after_timeouts * self.policy.timeout):
             self.down.set()
 
+    def suspect(self) -> None:
+        """A call just failed for the engine's sake (unreachable, reset, 5xx, hung): out of routing, and no
+        job started, until a probe gets an answer, so no job goes to an engine that may be gone."""
+        self._suspected = True
+        self.routable = False
+        self.answering.clear()
+        self._recheck.set()
+
     async def watch(self) -> None:
-        """Probe on schedule until the engine is down."""
+        """Probe on schedule, or at once after a `suspect`, until the engine is down."""
         while not self.down.is_set():
-            await asyncio.sleep(self.policy.interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._recheck.wait(), self.policy.interval)
+            self._recheck.clear()
             result = await self.probe()
             if result is not Probe.healthy:
                 log.warning("engine health probe: %s (routed: %s)", result.value, self.routable)

@@ -34,10 +34,11 @@ from common.queue.membership import (
 )
 from common.queue.records import JobStore, Started
 from common.queue.replication import ReplicaCopy
+from common.queue.reruns import run_again
 from common.redis_connection import redis_connection
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
-from worker.engine_client import EngineAborted, EngineClient, EngineError
+from worker.engine_client import EngineAborted, EngineClient, EngineError, EngineUnavailable
 from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobEvaluation, outcome_timings
 from worker.fencing import RunningJobs, StopReason, take_back
@@ -49,6 +50,11 @@ log = logging.getLogger("openjev.worker")
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
 MAX_ATTEMPTS = 3  # a job interrupted this many times (its worker died under it) is not run again
+MAX_RUNS = 5  # a job is started at most this many times in all: an engine failure on the last one fails it
+# Seconds a job waits, after its engine failed it the 1st, 2nd, ... time, before it is queued again: a
+# first failure moves on at once; later ones give a restarting engine (or a fleet whose engines all
+# failed at once) time to answer again, instead of spending every start in a moment.
+RERUN_DELAYS = (0.0, 1.0, 2.0, 4.0)
 REDIS_RETRIES = 3600  # ~an hour of 1 s backoffs: a worker waits out a Redis restart rather than exiting
 STORE_GRACE = 30.0  # seconds past a job's deadline its outcome store keeps retrying through Redis errors
 
@@ -57,11 +63,19 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+class RunAgain(Exception):
+    """The engine failed the job (not the request's fault) and the job may still be started again."""
+
+
 async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
-    """arq's job function: run one placement of an evaluation job and store how it ended. A
-    placement that is no longer its job's (moved, cancelled, expired) is neither run nor stored."""
+    """arq's job function: run one placement of an evaluation job and store how it ended, or, when its
+    engine failed it, queue it to run again (common/queue/reruns.py). A placement that is no longer its
+    job's (moved, cancelled, expired) is neither run nor stored."""
     arq_job_id: str = ctx["job_id"]
     store: JobStore = ctx["store"]
+    # After a failed call, no job starts (and spends one of its MAX_RUNS) until a probe finds the engine
+    # answering again; should it be down for good, the worker stops and arq keeps the job queued.
+    await ctx["health"].answering.wait()
     started = await store.start(arq_job_id, ctx["worker_id"])
     if started is None:
         return
@@ -81,9 +95,13 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         else:
             log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
         return  # either way its ending is not ours to store; arq finishes the placement
+    except RunAgain as again:
+        await _run_again(ctx, arq_job_id, started, str(again))
+        return  # the job lives on as its next placement; arq finishes this one
     except ValidationError as exc:
         log.error("job %s: unreadable (%s)", arq_job_id, exc)
         outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", ctx)
+    outcome.attempts = started.attempts
     give_up_at = time.monotonic() + max(0.0, started.remaining) + STORE_GRACE
     stored = await asyncio.shield(store.store(arq_job_id, outcome, give_up_at))
     if stored:  # the outcome on a replica before arq ends the placement: a failover neither loses nor reruns it
@@ -109,7 +127,7 @@ async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, pi
     info: WorkerInfo = ctx["info"]
     info.running += 1
     try:
-        outcome = await _run(ctx, local, picked_at)
+        outcome = await _run(ctx, local, picked_at, started.attempts)
     finally:
         info.running -= 1
     if outcome.status is JobStatus.succeeded:
@@ -119,8 +137,9 @@ async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, pi
     return outcome
 
 
-async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> JobOutcome:
-    """Evaluate; every way it can end becomes an outcome (a cancellation still propagates)."""
+async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float, attempt: int) -> JobOutcome:
+    """Evaluate; every way it can end becomes an outcome (a cancellation still propagates), except an
+    engine failure with starts to spare, which raises RunAgain."""
     counters: WorkerCounters = ctx["info"].counters
     settings: Settings = ctx["settings"]
     evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], settings.branch_max_new_tokens,
@@ -130,10 +149,17 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> Job
     except TimeoutError:
         return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
                         ctx)
-    except EngineAborted as exc:
+    except EngineUnavailable as exc:
         counters.engine_errors += 1
-        return _failure(JobStatus.failed, 503, "engine_aborted", str(exc), ctx)
-    except EngineError as exc:
+        ctx["health"].suspect()  # out of routing until a probe finds the engine healthy again
+        if attempt < MAX_RUNS:
+            raise RunAgain(str(exc)) from exc
+        log.warning("job %s: engine error on attempt %d of %d; not run again: %s", job.id, attempt, MAX_RUNS, exc)
+        message = f"{exc} (attempt {attempt} of {MAX_RUNS})"
+        if isinstance(exc, EngineAborted):
+            return _failure(JobStatus.failed, 503, "engine_aborted", message, ctx)
+        return _failure(JobStatus.failed, 502, "engine_error", message, ctx)
+    except EngineError as exc:  # the request refused (a 4xx) or an answer not to be trusted: it would fail again
         counters.engine_errors += 1
         log.warning("job %s: engine error: %s", job.id, exc)
         return _failure(JobStatus.failed, 502, "engine_error", str(exc), ctx)
@@ -143,6 +169,27 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float) -> Job
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
                       worker_id=ctx["worker_id"])
+
+
+async def _run_again(ctx: dict[str, Any], arq_job_id: str, started: Started, reason: str) -> None:
+    """After a pause (RERUN_DELAYS), queue the job to run again. Should this worker stop meanwhile, or
+    Redis be unreachable, arq keeps this placement queued for a restart of this worker (or a live worker
+    moves it) once this one stops."""
+    await asyncio.sleep(RERUN_DELAYS[min(started.attempts, len(RERUN_DELAYS)) - 1])
+    try:
+        rerun = await asyncio.shield(run_again(ctx["redis"], arq_job_id, ctx["worker_id"],
+                                               f"{ctx['worker_id']}: {reason}"))
+    except (RedisError, OSError) as exc:
+        log.error("job %s: its engine failed and it could not be queued again (%r)", keys.job_of(arq_job_id), exc)
+        return
+    if rerun is None:
+        return  # it ended, was cancelled or moved meanwhile
+    ctx["info"].counters.jobs_rerun += 1
+    where = "here, once its engine answers" if rerun.own else f"on {rerun.queue}"
+    log.warning("job %s: engine failed attempt %d (%s); runs again %s", keys.job_of(arq_job_id),
+                started.attempts, reason, where,
+                extra={"event": "job_rerun", "job_id": keys.job_of(arq_job_id), "attempt": started.attempts,
+                       "queue": rerun.queue})
 
 
 def _log_job(job: EvaluationJob, outcome: JobOutcome, stored: bool) -> None:
@@ -260,7 +307,7 @@ def build_worker(settings: Settings) -> Worker:
     backend_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     engine = EngineClient(settings.engine_url, backend_key, max_connections=settings.max_concurrent_branches + 8,
                           warm_token_ids_logprob=needs_warm_label_logprobs(settings.sglang_version),
-                          max_answer_bytes=settings.engine_max_answer_bytes)
+                          max_answer_bytes=settings.engine_max_answer_bytes, call_limit=settings.engine_call_limit)
     ctx: dict[str, Any] = {
         "settings": settings,
         "worker_id": worker_id,

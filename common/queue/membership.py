@@ -43,6 +43,7 @@ class WorkerCounters(BaseModel):
     branch_cached_tokens: int = 0
     unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang 0.5.19's Rust frontend)
     engine_errors: int = 0  # engine calls that failed or were aborted by the engine
+    jobs_rerun: int = 0  # jobs queued to run again after their engine failed them (common/queue/reruns.py)
     aborts_sent: int = 0  # abort requests sent for live calls of failed, timed-out or cancelled jobs
     endings: dict[str, int] = Field(default_factory=dict)  # outcomes this worker stored, by status, and
     # "refused": outcomes it computed for a job that had ended or moved meanwhile

@@ -145,7 +145,7 @@ local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
 redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
-           'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 24))
+           'lane', ARGV[17], 'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 24))
 redis.call('EXPIRE', ARGV[9], ttl)
 redis.call('SET', ARGV[11] .. arq_id, ARGV[12], 'EX', ttl)
 redis.call('ZADD', target.queue, score, arq_id)

@@ -30,10 +30,10 @@ NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
 
 # KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
-# job has not ended; then it is running here (no longer waiting in its queue's interactive lane, and its
-# fair start is the queue's virtual time if later, common/queue/placement.py) and the
-# reply is {created_at, deadline_at, now} by Redis's clock. A running job is taken again only by its own
-# placement (the worker that serves its queue restarted).
+# job has not ended; then it is running here (no longer waiting in its queue, nor in its interactive lane,
+# and its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts`
+# (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's
+# clock. A running job is taken again only by its own placement (the worker that serves its queue restarted).
 _START = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
@@ -48,7 +48,8 @@ if f[5] then
     redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
   end
 end
-return {f[3], f[4], tostring(now)}
+local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {f[3], f[4], tostring(now), attempts}
 """.replace("CLOCK_TTL", str(CLOCK_TTL))
 
 
@@ -127,10 +128,12 @@ return f
 
 @dataclass(frozen=True)
 class Started:
-    """A job its placement's worker may run now: the seconds it waited and those left before its deadline."""
+    """A job its placement's worker may run now: the seconds it waited and those left before its deadline,
+    and how many times it has been started, this time included (engine failures and crashes re-run it)."""
 
     waited: float
     remaining: float
+    attempts: int = 1
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,8 @@ class JobRecord:
     worker: str | None
     outcome: JobOutcome | None
     tenant: str = DEFAULT_TENANT  # who submitted it: only they may read or cancel it
+    attempts: int = 0  # times a worker started it (more than one after an engine failure or a crash)
+    last_failure: str | None = None  # why the latest attempt that failed for the engine's sake was run again
 
 
 class JobStore:
@@ -169,8 +174,8 @@ class JobStore:
         reply = await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))], args=[arq_job_id, worker_id])
         if reply is None:
             return None
-        created_at, deadline_at, now = (float(v) for v in reply)
-        return Started(waited=now - created_at, remaining=deadline_at - now)
+        created_at, deadline_at, now = (float(v) for v in reply[:3])
+        return Started(waited=now - created_at, remaining=deadline_at - now, attempts=int(reply[3]))
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
@@ -234,4 +239,6 @@ def _record(job_id: str, fields: dict[str, Any]) -> JobRecord:
         worker=fields.get("worker"),
         outcome=JobOutcome.model_validate(orjson.loads(outcome)) if outcome else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
+        attempts=int(fields.get("attempts", 0)),
+        last_failure=fields.get("last_failure"),
     )

@@ -1,6 +1,9 @@
 """The reference CPU engine's HTTP server: the subset of SGLang's native API the worker uses
 (`spec/sglang.md`), answered by a single compute thread with a prefix KV cache. A batched /generate
-call is computed as a batch: its prompts' shared start once, then all their tails in one packed pass."""
+call is computed as a batch: its prompts' shared start once, then all their tails in one packed pass.
+Long prompts are prefilled in chunks (as SGLang's chunked prefill does), and an abort is looked for
+before every decoder layer of every forward pass: a cancelled prompt frees the engine within one
+layer's time, not at the end of its prefill."""
 
 from __future__ import annotations
 
@@ -26,18 +29,26 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from worker.cpu_engine.model import CpuDtype, LoadedModel, load_model, resolve_model
 from worker.cpu_engine.packing import chunks, forward_packed
-from worker.cpu_engine.prefix_cache import PrefixCache, common_prefix_length
+from worker.cpu_engine.prefix_cache import KeyValues, PrefixCache, common_prefix_length
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_TOKENS = 65536
 # The most new tokens packed into one forward pass: bounds its [new, past + new] attention mask.
 PACKED_TOKENS = 1024
+# The most tokens of a prompt's start prefilled in one forward pass. Aborts are seen between decoder layers
+# (`ForwardStopped`), so this bounds memory and the work one pass holds, not how fast an abort lands: on a
+# 2-vCPU machine at load average 6, SmolLM2-135M took ~11 s for 128 or 256 tokens after 3,744 of past.
+PREFILL_CHUNK = 256
 VERSION = "openjev-cpu-engine"
 
 
 class BadRequest(Exception):
     """A request this engine refuses; answered 400 with SGLang's error body."""
+
+
+class ForwardStopped(Exception):
+    """Raised before a decoder layer once every prompt of the group being computed is aborted."""
 
 
 class SamplingParams(BaseModel):
@@ -110,7 +121,9 @@ class EngineStats:
     aborts_received: int = 0  # calls to /abort_request, live rid or not
     prompt_tokens: int = 0  # prompt tokens of the prompts that reached the model
     cached_tokens: int = 0  # of those, the tokens whose KV came from the prefix cache
-    forward_passes: int = 0  # model forward calls (a packed batch is one)
+    forward_passes: int = 0  # prompts or packed batches computed to their logits (a chunked prefill is one)
+    prefill_chunks: int = 0  # forward calls over chunks of a prompt's start (PREFILL_CHUNK tokens at most)
+    computes_stopped: int = 0  # computations stopped part way (between chunks or layers): their prompts were aborted
 
 
 def expand(body: GenerateBody, vocab_size: int, max_context: int) -> tuple[list[StepRequest], bool]:
@@ -221,6 +234,10 @@ class ComputeQueue:
         self.compute_delay = compute_delay
         self.stats = EngineStats()
         self._live: dict[str, Job] = {}
+        self._computing: list[Job] = []  # the group the thread computes now (the thread writes it)
+        for module in model.model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):  # LlamaDecoderLayer, Qwen2DecoderLayer, ...
+                module.register_forward_pre_hook(self._stop_if_aborted)
         self._calls: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="cpu-engine-compute", daemon=True)
@@ -289,15 +306,27 @@ class ComputeQueue:
         body["meta_info"]["e2e_latency"] = time.monotonic() - job.received
         job.future.set_result(body)
 
+    def _stop_if_aborted(self, *_hook_arguments: Any) -> None:
+        """ForwardStopped once every prompt of the group being computed is aborted (the compute thread's
+        look before each prefill chunk, and a forward pre-hook on every decoder layer)."""
+        if self._computing and all(job.cancelled.is_set() for job in self._computing):
+            raise ForwardStopped
+
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
             self._delay(call)
             for group in _groups([job for job in call if not job.cancelled.is_set()]):
+                self._computing = group
                 try:
                     bodies: list[dict[str, Any] | BaseException | None] = list(self._compute(group))
+                except ForwardStopped:
+                    self.stats.computes_stopped += 1
+                    bodies = [None] * len(group)  # each was answered with its abort already
                 except Exception as exc:  # one bad call must fail, not stop the engine
                     log.exception("compute failed for %s", group[0].step.rid)
                     bodies = [exc] * len(group)
+                finally:
+                    self._computing = []
                 assert self._loop is not None
                 for job, body in zip(group, bodies, strict=True):
                     if body is not None:
@@ -325,14 +354,16 @@ class ComputeQueue:
             # a prompt cached beyond the start the group shares reuses its own KV, as in SGLang: one by one
             return iter([answer for job in group for answer in self._compute([job])])
         hit = self.cache.longest_prefix(steps[0].salt, tokens[0], shared)
-        if all(job.cancelled.is_set() for job in group):
+        if all(job.cancelled.is_set() for job in group):  # one prompt of a batch computed one by one
             return iter([None] * len(group))
         if len(group) == 1:
-            logits, kv = self.model.forward(steps[0].input_ids[hit.length:], hit.kv)
+            shared = len(steps[0].input_ids) - 1  # the prompt's last token is computed for its logits
+        past = self._prefill(steps[0].input_ids[hit.length:shared], hit.kv)
+        if len(group) == 1:
+            logits, kv = self.model.forward(steps[0].input_ids[shared:], past)
             all_logits, prompt_kv = [logits], lambda _: kv
         else:
-            packed = forward_packed(self.model, hit.kv, hit.length, steps[0].input_ids[hit.length:shared],
-                                    [step.input_ids[shared:] for step in steps])
+            packed = forward_packed(self.model, past, shared, [], [step.input_ids[shared:] for step in steps])
             all_logits, prompt_kv = packed.logits, packed.prompt_kv
         self.stats.forward_passes += 1
         for index, step in enumerate(steps):
@@ -341,6 +372,14 @@ class ComputeQueue:
             self.cache.store(step.salt, tokens[index], prompt_kv(index))  # one copy at a time: memory stays flat
         return (None if job.cancelled.is_set() else _answer(self.model, job.step, logits, hit.length)
                 for job, logits in zip(group, all_logits, strict=True))
+
+    def _prefill(self, tokens: list[int], past: KeyValues | None) -> KeyValues | None:
+        """The KV of `past` extended by `tokens`, computed PREFILL_CHUNK tokens at a time."""
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            self._stop_if_aborted()
+            _, past = self.model.forward(tokens[start:start + PREFILL_CHUNK], past)
+            self.stats.prefill_chunks += 1
+        return past
 
 
 def _reuse_limit(step: StepRequest) -> int:
