@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 import zstandard
+from starlette.routing import compile_path
 
 from api.strict_json import BodyRejected, read_json
 from common.contract import ASSETS_REFUSED, echo
@@ -92,7 +93,7 @@ class RequestContext:
                 await send_json(stamped, 500, error_body("api_error", "internal error; quote the request id"))
         finally:
             seconds = time.perf_counter() - started
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = _route_path(scope)
             metrics = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
             if metrics is not None:
                 tenant = state.get("tenant")
@@ -103,6 +104,23 @@ class RequestContext:
                     "method": scope["method"], "path": scope["path"], "status": status or 499,
                     "duration_ms": round(seconds * 1000, 2),
                     "error_type": state.get("error_type")})
+
+
+def _route_path(scope: Scope) -> str:
+    """The route template a request was for. A request refused before routing (401/403 by the key gate,
+    413/415 by the body gate) is matched here against the schema's paths, as `api.errors.allowed_methods`
+    does, so its metrics carry its real route, not "unmatched"."""
+    route = scope.get("route")
+    if route is not None:
+        return str(route.path)
+    app = scope.get("app")
+    if app is None or not hasattr(app, "openapi"):
+        return "unmatched"
+    for template in app.openapi()["paths"]:
+        pattern, _, _ = compile_path(template)
+        if pattern.match(scope["path"]):
+            return str(template)
+    return "unmatched"
 
 
 class BodyGate:

@@ -178,3 +178,22 @@ async def test_a_body_that_is_not_declared_json_is_told_to_send_the_content_type
     assert "`Content-Type: application/json`" in detail["message"]
     assert "valid dictionary" not in detail["message"]
     assert ("curl's default" in detail["message"]) == (content_type == "application/x-www-form-urlencoded")
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+
+
+async def test_refusals_before_routing_are_counted_under_their_real_route(compiler: PromptCompiler) -> None:
+    app = build_app(compiler, api_key="k")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://openjev") as c:
+        assert (await c.post("/v1/systemone", json=body())).status_code == 403
+        assert (await c.post("/v1/systemone", json=body(), headers={"Authorization": "Bearer nope"})).status_code == 401
+        assert (await c.get("/v1/jobs/job_x", headers={"Authorization": "Bearer nope"})).status_code == 401
+        assert (await c.get("/nowhere")).status_code == 404
+
+    def count(route: str, status: str) -> float | None:
+        return app.state.metrics.registry.get_sample_value("openjev_requests_total", {"route": route, "status": status})
+
+    assert count("/v1/systemone", "403") == 1 and count("/v1/systemone", "401") == 1
+    assert count("/v1/jobs/{job_id}", "401") == 1
+    assert count("unmatched", "404") == 1 and count("unmatched", "403") is None
