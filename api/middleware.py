@@ -87,6 +87,16 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, stamped)
+        except asyncio.CancelledError:
+            if not _stopping(scope):
+                raise
+            # The server stopped waiting for it (uvicorn's graceful-shutdown timeout): an answer the client
+            # can act on, rather than a traceback in the log and a bare 500.
+            log.info("request cut short: the API is stopping", extra={"request_id": request_id})
+            if not status:
+                await send_json(stamped, 503, error_body(
+                    "unavailable_error", "the API stopped before this request was answered; send it again"),
+                    [(b"retry-after", b"1")])
         except Exception:
             log.exception("unhandled error", extra={"request_id": request_id})
             if not status:
@@ -104,6 +114,11 @@ class RequestContext:
                     "method": scope["method"], "path": scope["path"], "status": status or 499,
                     "duration_ms": round(seconds * 1000, 2),
                     "error_type": state.get("error_type")})
+
+
+def _stopping(scope: Scope) -> bool:
+    stopping = getattr(getattr(scope.get("app"), "state", None), "stopping", None)
+    return isinstance(stopping, asyncio.Event) and stopping.is_set()
 
 
 def _route_path(scope: Scope) -> str:

@@ -204,7 +204,7 @@ def _api(args: argparse.Namespace) -> int:
         app = create_app(settings)
     except KeysFileError as exc:
         raise SystemExit(f"openjev api: {exc}") from None
-    server.run(app, host=args.host, port=args.port, log_level="warning",
+    server.run(app, on_stop=app.state.stopping.set, host=args.host, port=args.port, log_level="warning",
                timeout_graceful_shutdown=5, **uvicorn_options(settings))
     return 0
 
