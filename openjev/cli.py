@@ -87,8 +87,10 @@ def _parser() -> argparse.ArgumentParser:
 
     batch = sub.add_parser("batch", help="classify a JSONL file of states through the async jobs API (resumable)",
                            description="Classify INPUT.jsonl through POST /v1/jobs, writing one record per input "
-                                       "line to OUT.jsonl in input order; rerun the same command to resume. Exit "
-                                       "status: 0 every line answered, 1 some lines recorded an error, 2 bad usage.")
+                                       "line to OUT.jsonl in input order; rerun the same command to resume: jobs "
+                                       "still in flight when a run stopped are picked up again, not submitted twice "
+                                       "(each line's Idempotency-Key is made of OUT.jsonl, the line and its body). "
+                                       "Exit status: 0 every line answered, 1 some lines have an error, 2 bad usage.")
     batch.add_argument("input", type=Path, metavar="INPUT.jsonl",
                        help='one request body, {"state": ...} or a bare JSON string per line')
     batch.add_argument("--url", required=True, help="the server root, e.g. http://127.0.0.1:8000")
@@ -99,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--model", default="jev-latest", help="model for lines that name none (default jev-latest)")
     batch.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once (default 8)")
     batch.add_argument("--key-env", metavar="VAR", help="send the API key held in this environment variable")
-    batch.add_argument("--retry-errors", action="store_true", help="on resume, redo lines recorded with an error")
+    batch.add_argument("--retry-errors", action="store_true",
+                       help="on resume, submit the lines recorded with an error again, as new jobs")
     batch.set_defaults(run=_batch)
 
     calibrate = sub.add_parser("calibrate", help="fit one temperature per question type on labelled answers",
