@@ -44,7 +44,7 @@ RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-
 STOP_TIMEOUT = 7.0  # on Ctrl-C or SIGTERM: a child (SGLang aside) still running after this is killed
 REDIS_STOP_TIMEOUT = 2.0  # then Redis, last, writes its file and exits (ms at rest): serve is gone within 10 s
 PROGRESS_INTERVAL = 10.0  # seconds between "still loading" lines while a child starts
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "request.json"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "first-request.json"  # the README's first request
 
 
 @dataclass

@@ -5,6 +5,7 @@ signals and the terminal are what is tested."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -82,6 +83,11 @@ def test_ctrl_c_stops_serve_quietly_and_the_start_said_what_it_loaded(tmp_path: 
                                   cwd=tmp_path)
         assert answered.returncode == 0 and '"answers"' in answered.stdout, answered.stdout + answered.stderr
         assert command.group(1).startswith(f"curl -s {url}/v1/systemone")
+        # The README's first request, which it says the default model gets right.
+        answers = json.loads(answered.stdout)["answers"]
+        assert "first-request.json" in command.group(1)
+        assert answers["department"]["choice"] == "Sales" and answers["sales_inquiry"]["noul"] > 0.5
+        assert max(answers["urgency"]["probabilities"], key=answers["urgency"]["probabilities"].get) == "0"
 
         seconds = stop_and_time(serve, lambda: os.killpg(serve.pid, signal.SIGINT))  # the terminal's Ctrl-C
         assert_quiet_and_gone(log, children, seconds)
