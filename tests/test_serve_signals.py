@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from openjev.embedded_redis import free_port
-from tests.conftest import model_cache_dir
+from tests.conftest import FIGURES, model_cache_dir
 from tests.processes import ROOT, alive
 from tests.test_serve_smoke import descendants, wait_for_url
 
@@ -65,12 +65,15 @@ def kill_leftovers(serve: subprocess.Popen[bytes], children: set[int]) -> None:
 
 
 @pytest.mark.integration
-def test_ctrl_c_stops_serve_quietly_and_the_start_said_what_it_loaded(tmp_path: Path) -> None:
+def test_ctrl_c_stops_serve_quietly_and_the_start_said_what_it_loaded(tmp_path: Path,
+                                                                     request: pytest.FixtureRequest) -> None:
     log = tmp_path / "serve.log"
+    started = time.monotonic()
     serve = start_serve(log)
     children: set[int] = set()
     try:
         url = wait_for_url(serve, log)
+        start_seconds = time.monotonic() - started
         children = descendants(serve.pid)
         assert len(children) >= 4, children
         text = log.read_text(errors="replace")
@@ -91,13 +94,15 @@ def test_ctrl_c_stops_serve_quietly_and_the_start_said_what_it_loaded(tmp_path: 
 
         seconds = stop_and_time(serve, lambda: os.killpg(serve.pid, signal.SIGINT))  # the terminal's Ctrl-C
         assert_quiet_and_gone(log, children, seconds)
+        request.config.stash.setdefault(FIGURES, []).append(
+            f"openjev serve (SmolLM2 converted): serving after {start_seconds:.1f} s, Ctrl-C at rest: {seconds:.1f} s")
     finally:
         kill_leftovers(serve, children)
 
 
 @pytest.mark.integration
 def test_sigterm_with_a_request_in_flight_stops_within_10_s_and_the_try_line_names_the_key_variable(
-        tmp_path: Path) -> None:
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
     log = tmp_path / "serve.log"
     key = "k-" + os.urandom(8).hex()
     serve = start_serve(log, "--compute-delay", "60", env={"OPENJEV_API_KEY": key})
@@ -124,6 +129,8 @@ def test_sigterm_with_a_request_in_flight_stops_within_10_s_and_the_try_line_nam
 
         seconds = stop_and_time(serve, lambda: serve.send_signal(signal.SIGTERM))
         assert_quiet_and_gone(log, children, seconds)
+        request.config.stash.setdefault(FIGURES, []).append(
+            f"openjev serve: SIGTERM with a request in flight: stopped in {seconds:.1f} s")
         sender.join(timeout=30)
         # The request the API stopped waiting for is told to come again, not dropped or answered 500.
         assert answers and answers[0].status_code == 503, answers and answers[0].text
