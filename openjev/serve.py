@@ -186,7 +186,7 @@ class Supervisor:
 
     def _spawn_api(self, env: dict[str, str]) -> None:
         self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)),
-                          child_env("api", env)), "the HTTP API: loads the tokenizer, usually 3-10 s")
+                          child_env("api", env)), "the HTTP API: loads the tokenizer, 3-10 s on an idle machine")
 
     def _base_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -263,8 +263,8 @@ class Supervisor:
             return ""
         name = self.options.cpu_model or "smollm2-135m"
         if self._cpu_model_dir().is_dir():
-            return f"the CPU engine: loads {name}, usually 5-15 s"
-        once = "about 20 s" if not self.options.cpu_model else "a few minutes"
+            return f"the CPU engine: loads {name}, 5-15 s on an idle machine"
+        once = "20 s on an idle 2-core machine, 1-2 min on a busy one" if not self.options.cpu_model else "minutes"
         return f"the CPU engine: converts {name} once into {self._cpu_model_dir().parent} ({once}), then loads it"
 
     def _spawn(self, child: Child, note: str = "") -> None:
