@@ -87,6 +87,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
                   docs_url=None, redoc_url=None)
     app.state.metrics = ApiMetrics(lambda: keys.directory.names)
     app.state.tenant_keys = keys
+    app.state.stopping = asyncio.Event()  # set at the stop signal (api.server): see RequestContext
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(jobs_router)

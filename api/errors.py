@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from api.strict_json import printable
-from common.contract import echo
+from common.contract import BOX_REFUSED, echo
 
 
 class ApiError(Exception):
@@ -30,8 +30,8 @@ class UnknownModel(ApiError):
     status = 400
     error_type = "api_usage_error"
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"Unknown model: {echo(name)}")
+    def __init__(self, name: str, accepted: str) -> None:
+        super().__init__(f"Unknown model: {echo(name)}. This server accepts {accepted}; GET /v1/models lists them")
 
 
 class AuthenticationError(ApiError):
@@ -136,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": [printable(step) if isinstance(step, str) else step for step in e["loc"]],
-                   "msg": printable(str(e["msg"])), "type": e["type"]} for e in exc.errors()]
+                   "msg": printable(str(e["msg"])), "type": e["type"]} for e in map(_text_only, exc.errors())]
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     @app.exception_handler(RedisError)
@@ -153,7 +153,31 @@ def install_error_handlers(app: FastAPI) -> None:
         allowed = allowed_methods(request) if exc.status_code == 405 else None
         if allowed:
             headers["Allow"] = allowed
-        return error_response(exc.status_code, kind, str(exc.detail), headers)
+        message = _wrong_path(request.scope["path"], request.method, exc.status_code) or str(exc.detail)
+        return error_response(exc.status_code, kind, message, headers)
+
+
+ROUTES_IN_WORDS = "POST /v1/systemone (evaluate), GET /v1/models, POST /v1/jobs (async); the API reference is at GET /"
+
+
+def _wrong_path(path: str, method: str, status: int) -> str | None:
+    """What to do instead, for the paths clients are commonly pointed at by mistake."""
+    if status == 404 and (path == "/v1/v1" or path.startswith("/v1/v1/")):
+        return (f"no route at {path}: the base URL ends in /v1, and the client adds /v1 itself. Point it at the "
+                f"server root (TYPESAFE_BASE_URL=http://host:port); the route is {path[3:]}")
+    if status == 404 and path in ("/v1", "/v1/"):
+        return f"{path} is not a route. The routes: {ROUTES_IN_WORDS}; clients take the server root as base URL"
+    if status == 405 and path == "/" and method == "POST":
+        return ("POST evaluations to /v1/systemone (a client's base URL is the server root; it adds the path). "
+                "GET / is the API reference page")
+    return None
+
+
+def _text_only(error: dict) -> dict:
+    """A `box` question (the official API's bounding boxes) is refused as what it is, not as an unknown type."""
+    if error["type"] == "union_tag_invalid" and error.get("ctx", {}).get("tag") == "box":
+        return {"loc": [*error["loc"], "type"], "msg": BOX_REFUSED, "type": "text_only"}
+    return error
 
 
 def allowed_methods(request: Request) -> str | None:

@@ -9,14 +9,17 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
+from email.parser import BytesParser
+from email.policy import HTTP
 from email.utils import formatdate
 from typing import Any
 
 import orjson
 import zstandard
+from starlette.routing import compile_path
 
 from api.strict_json import BodyRejected, read_json
-from common.contract import echo
+from common.contract import ASSETS_REFUSED, echo
 from common.jobs import new_request_id
 
 log = logging.getLogger("openjev.api")
@@ -84,13 +87,23 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, stamped)
+        except asyncio.CancelledError:
+            if not _stopping(scope):
+                raise
+            # The server stopped waiting for it (uvicorn's graceful-shutdown timeout): an answer the client
+            # can act on, rather than a traceback in the log and a bare 500.
+            log.info("request cut short: the API is stopping", extra={"request_id": request_id})
+            if not status:
+                await send_json(stamped, 503, error_body(
+                    "unavailable_error", "the API stopped before this request was answered; send it again"),
+                    [(b"retry-after", b"1")])
         except Exception:
             log.exception("unhandled error", extra={"request_id": request_id})
             if not status:
                 await send_json(stamped, 500, error_body("api_error", "internal error; quote the request id"))
         finally:
             seconds = time.perf_counter() - started
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = _route_path(scope)
             metrics = getattr(scope["app"].state, "metrics", None) if "app" in scope else None
             if metrics is not None:
                 tenant = state.get("tenant")
@@ -101,6 +114,28 @@ class RequestContext:
                     "method": scope["method"], "path": scope["path"], "status": status or 499,
                     "duration_ms": round(seconds * 1000, 2),
                     "error_type": state.get("error_type")})
+
+
+def _stopping(scope: Scope) -> bool:
+    stopping = getattr(getattr(scope.get("app"), "state", None), "stopping", None)
+    return isinstance(stopping, asyncio.Event) and stopping.is_set()
+
+
+def _route_path(scope: Scope) -> str:
+    """The route template a request was for. A request refused before routing (401/403 by the key gate,
+    413/415 by the body gate) is matched here against the schema's paths, as `api.errors.allowed_methods`
+    does, so its metrics carry its real route, not "unmatched"."""
+    route = scope.get("route")
+    if route is not None:
+        return str(route.path)
+    app = scope.get("app")
+    if app is None or not hasattr(app, "openapi"):
+        return "unmatched"
+    for template in app.openapi()["paths"]:
+        pattern, _, _ = compile_path(template)
+        if pattern.match(scope["path"]):
+            return str(template)
+    return "unmatched"
 
 
 class BodyGate:
@@ -129,11 +164,19 @@ class BodyGate:
             # Refused before a byte of it is read; the connection closes, as the rest would follow.
             await send_json(send, 413, self._too_large(), [(b"connection", b"close")])
             return
+        content_type = headers.get(b"content-type")
         try:
             async with asyncio.timeout(self.timeout):
                 body = await self._read(receive, encoding)
-            if _is_json(headers.get(b"content-type")):
-                read_json(body)
+            images: list[str] = []
+            if _is_multipart(content_type):
+                body, images = _request_part(body, content_type or b"")
+                content_type = b"application/json"
+            elif body and not _is_json(content_type):
+                await send_json(send, 415, error_body("invalid_request_error", _not_json(content_type)))
+                return
+            if _is_json(content_type):
+                _refuse_unnamed_images(read_json(body), images)
         except TimeoutError:
             await send_json(send, 408, error_body(
                 "request_timeout", f"the request body did not arrive within {self.timeout:g} s"),
@@ -153,8 +196,10 @@ class BodyGate:
                 {"loc": ["body", *exc.loc], "msg": exc.message, "type": exc.kind}]}))
             return
         scope["headers"] = [(k, v) for k, v in scope["headers"]
-                            if k not in (b"content-encoding", b"content-length")]
+                            if k not in (b"content-encoding", b"content-length", b"content-type")]
         scope["headers"].append((b"content-length", str(len(body)).encode()))
+        if content_type is not None:
+            scope["headers"].append((b"content-type", content_type))
         replayed = False
 
         async def replay() -> Message:
@@ -215,6 +260,37 @@ def _is_json(content_type: bytes | None) -> bool:
         return False
     media = content_type.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _not_json(content_type: bytes | None) -> str:
+    sent = "no Content-Type" if content_type is None else f"Content-Type {content_type.decode('latin-1')!r}"
+    hint = " (curl's default for --data; add -H 'Content-Type: application/json')" if content_type and \
+        content_type.lower().startswith(b"application/x-www-form-urlencoded") else ""
+    return f"the body must be JSON sent with `Content-Type: application/json`; this request had {sent}{hint}"
+
+
+def _is_multipart(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type.split(b";", 1)[0].strip().lower() == b"multipart/form-data"
+
+
+def _request_part(raw: bytes, content_type: bytes) -> tuple[bytes, list[str]]:
+    """A multipart body's `request` part (the JSON) and the names of its other parts: the form typesafe-sdk
+    sends images in, one part per image beside the JSON, which names them in `assets`."""
+    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + raw)
+    parts = {str(part.get_param("name", header="content-disposition")): part for part in message.iter_parts()}
+    request = parts.pop("request", None)
+    body = request.get_payload(decode=True) if request is not None else None
+    if not isinstance(body, bytes):
+        raise BodyRejected([], "a multipart body needs a part named `request` holding the JSON request; "
+                           "better, send the JSON itself with `Content-Type: application/json`", "missing")
+    return body, list(parts)
+
+
+def _refuse_unnamed_images(request: Any, images: list[str]) -> None:
+    # Images the JSON names in `assets` are refused by the contract, with every other error in the request.
+    if images and not (isinstance(request, dict) and request.get("assets") is not None):
+        raise BodyRejected(["assets"], f"the multipart body carries parts {', '.join(images)} besides `request`: "
+                           f"{ASSETS_REFUSED}", "text_only")
 
 
 def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:

@@ -32,7 +32,7 @@ class JobPreparer:
     def check_request(self, request: SystemOneRequest) -> None:
         """Model name and size limits; cheap, so run before tokenizing anything."""
         if not self.settings.accepts_model(request.model):
-            raise UnknownModel(request.model)
+            raise UnknownModel(request.model, self.settings.describe_accepted_models())
         if len(request.questions) > self.settings.max_questions:
             raise invalid(["questions"], f"{len(request.questions)} questions exceed the limit of "
                           f"{self.settings.max_questions} per request; split the request")

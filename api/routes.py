@@ -97,8 +97,11 @@ def _result_headers(outcome: JobOutcome, prepare_seconds: float) -> dict[str, st
 @router.get("/v1/models", response_model=ModelList, tags=["System One"], summary="List the served models")
 async def models(request: Request) -> ModelList:
     settings = request.app.state.services.settings
-    return ModelList(models=[{"name": name, "description": f"openjev serving {settings.served_model_name}",
-                              "release_date": settings.model_release_date} for name in settings.listed_model_names])
+    description = (f"openjev serving {settings.served_model_name}. Requests may name "
+                   f"{settings.describe_accepted_models()}: all are answered by this model")
+    return ModelList(models=[{"name": name, "description": description, "release_date": settings.model_release_date}
+                             for name in settings.listed_model_names],
+                     x_accepted_names=[settings.served_model_name, *settings.model_aliases])
 
 
 @router.get("/v1/limits", tags=["Operations"], summary="The admission limits in force, and your tenant's own")

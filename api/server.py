@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -24,16 +25,17 @@ import uvicorn
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def run(app: Any, **options: Any) -> None:
-    """Serve `app` until SIGINT or SIGTERM; `options` are `uvicorn.Config`'s."""
+def run(app: Any, on_stop: Callable[[], None] | None = None, **options: Any) -> None:
+    """Serve `app` until SIGINT or SIGTERM; `on_stop` is called at the first signal; `options` are
+    `uvicorn.Config`'s."""
     config = uvicorn.Config(app, date_header=False, server_header=False, **options)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(serve(uvicorn.Server(config)))
+        runner.run(serve(uvicorn.Server(config), on_stop))
 
 
-async def serve(server: uvicorn.Server) -> None:
+async def serve(server: uvicorn.Server, on_stop: Callable[[], None] | None = None) -> None:
     """Start `server`, sleep until a signal, then shut it down gracefully (bounded by the config's
-    `timeout_graceful_shutdown`)."""
+    `timeout_graceful_shutdown`). `on_stop` runs, in the loop, at the first signal."""
     config = server.config
     if not config.loaded:
         config.load()
@@ -43,6 +45,8 @@ async def serve(server: uvicorn.Server) -> None:
     def on_signal() -> None:
         if stop.is_set():
             server.force_exit = True
+        elif on_stop is not None:
+            on_stop()
         server.should_exit = True
         stop.set()
 

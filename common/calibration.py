@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from common.contract import ChoiceQuestion, NoulQuestion, Question, ScoreQuestion
 
@@ -127,6 +127,61 @@ class LabelledAnswer:
     probabilities: Sequence[float]
     gold: int
     question: Mapping[str, Any] | None = None
+
+
+ANSWER_LINE = '{"kind": "choice", "probabilities": [0.7, 0.2, 0.1], "gold": 0}'
+"""One line of `openjev calibrate`'s input (`openjev calibrate --help` explains each field; a file of them:
+examples/calibration-records.jsonl)."""
+
+
+def read_labelled_answers(path: Path) -> list[LabelledAnswer]:
+    """The answers to fit on in a JSONL file (`ANSWER_LINE`), held-out lines skipped; CalibrationError names
+    the file, and the line and what is wrong with it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CalibrationError(f"{path}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
+    answers = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            answer = labelled_answer(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise CalibrationError(f"{path}:{number}: not a JSON object ({error.msg}, column {error.colno})") from None
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = "".join(f".{step}" for step in first["loc"])
+            raise CalibrationError(f'{path}:{number}: "question{where}" is not a question: {first["msg"]}') from None
+        except ValueError as error:
+            raise CalibrationError(f"{path}:{number}: {error}") from None
+        if answer is not None:
+            answers.append(answer)
+    return answers
+
+
+def labelled_answer(record: Any) -> LabelledAnswer | None:
+    """One line of the input read; None for a held-out line. ValueError says what is wrong, in words."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected an object like {ANSWER_LINE}")
+    kind = record.get("kind")
+    if kind not in ("noul", "choice", "score"):
+        raise ValueError(f'"kind" must be "noul", "choice" or "score", not {json.dumps(kind)}')
+    probabilities = record.get("probabilities")
+    if not (isinstance(probabilities, list) and len(probabilities) >= 2 and all(
+            isinstance(p, int | float) and not isinstance(p, bool) and 0 <= p <= 1 for p in probabilities)):
+        raise ValueError('"probabilities" must be a list of numbers in [0, 1], one per option in the order asked '
+                         f"(noul: [P(true), P(false)]), not {json.dumps(probabilities)[:80]}")
+    gold = record.get("gold")
+    if not (isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(probabilities)):
+        raise ValueError(f'"gold" must be the index of the right option in "probabilities" (0 to '
+                         f"{len(probabilities) - 1}; noul: 0 for true), not {json.dumps(gold)}")
+    question = record.get("question")
+    if question is not None:
+        question_key(question)  # refuses what is not a question
+    if record.get("split") == "held_out":
+        return None
+    return LabelledAnswer(kind, [float(p) for p in probabilities], gold, question)
 
 
 def apply_temperature(probabilities: Sequence[float], temperature: float, first_offset: float = 0.0) -> list[float]:

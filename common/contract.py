@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
 JSON = Any
@@ -18,6 +19,12 @@ def echo(text: str) -> str:
     return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 """A description, instructions or state: null, string, number, object or array, kept as sent."""
+
+TEXT_ONLY = "the served model reads text only"
+ASSETS_REFUSED = (f"`assets` (images) cannot be answered: {TEXT_ONLY}. Send the request without images, as "
+                  "application/json, with what the image shows described in text")
+BOX_REFUSED = (f"`box` questions locate things in an image: {TEXT_ONLY}, so this server answers only noul, choice "
+               "and score questions")
 
 INTEGER_RANGE = (-(2**63), 2**64 - 1)
 """Integers the job queue's JSON carries exactly; a score level is echoed, so its integers must fit."""
@@ -115,6 +122,8 @@ class SystemOneRequest(_Lenient):
     model: str = Field(examples=["jev-latest"])
     state: State
     questions: dict[str, Question] = Field(min_length=1)
+    assets: Annotated[JSON, WithJsonSchema({"type": "null", "description": f"Refused unless null: {ASSETS_REFUSED}."})
+                      ] = Field(default=None, exclude=True)
     x_debias: StrictBool | None = Field(
         default=None, description="openjev: average each choice/score answer over cyclic rotations of its options "
         "(label-order debiasing; costs one branch per rotation). Omitted: the server's `OPENJEV_DEBIAS`.")
@@ -140,6 +149,14 @@ class SystemOneRequest(_Lenient):
         if size == 1:
             raise ValueError("a group needs at least 2 options; send 0 to ask each question in one branch")
         return size
+
+    @field_validator("assets")
+    @classmethod
+    def _no_images(cls, assets: JSON) -> JSON:
+        # The official API's images (typesafe-sdk sends them): refused rather than silently ignored.
+        if assets is not None:
+            raise PydanticCustomError("text_only", ASSETS_REFUSED)
+        return assets
 
     @field_validator("state")
     @classmethod
@@ -195,6 +212,9 @@ class ModelCard(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelCard]
+    x_accepted_names: list[str] = Field(
+        default_factory=list, description="openjev: every name a request may send, all answered by the served "
+        "model; a trailing `*` accepts every name it begins (`jev-*`: `jev-latest`, a pinned `jev-1.13.0`, ...)")
 
 
 class ErrorDetail(BaseModel):

@@ -196,6 +196,12 @@ class Settings(BaseSettings):
             return True
         return any(a.endswith("*") and name.startswith(a[:-1]) for a in self.model_aliases)
 
+    def describe_accepted_models(self) -> str:
+        """The names a request may send, in words: the exact ones, then each `prefix*` pattern as a rule."""
+        rules = [f"any name beginning `{a[:-1]}` (a pinned version such as `{a[:-1]}1.13.0` too)"
+                 if a == "jev-*" else f"any name beginning `{a[:-1]}`" for a in self.model_aliases if a.endswith("*")]
+        return ", ".join(f"`{name}`" for name in self.listed_model_names) + "".join(f"; {rule}" for rule in rules)
+
     @property
     def listed_model_names(self) -> list[str]:
         """The names /v1/models lists: the served model, then `jev-latest` and every exact alias accepted."""

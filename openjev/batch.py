@@ -1,6 +1,11 @@
 """`openjev batch`: classify a JSONL file of states through the async jobs API, many at a time,
 with one output line per input line, in input order, and resume after a crash.
 
+Each line's job is submitted with an Idempotency-Key made of the output file, the line number and the
+request body, so a rerun after Ctrl-C or a crash finds the jobs that were in flight (the API keeps them
+`OPENJEV_JOB_RESULT_TTL`, an hour by default) instead of submitting them again. With --retry-errors, a
+line whose job ended in an error is submitted as a new job.
+
 How the output survives a crash: every line is appended to `OUT.partial` (flushed) the moment it
 finishes, in whatever order lines finish, each record carrying its input line number. Only when
 every line is done is `OUT` written, in input order, through a temporary file renamed into place,
@@ -15,6 +20,7 @@ editor, and `status` is the HTTP status that ended the line (null when no HTTP a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -150,14 +156,17 @@ class OutputLog:
         self.output = output
         self.partial = output.with_name(output.name + ".partial")
         self.records: dict[int, dict[str, Any]] = {}
+        self.redone: frozenset[int] = frozenset()  # lines recorded with an error, being redone
 
     def resume(self, total: int, keep_errors: bool) -> set[int]:
-        """Load earlier records for lines 1..total; return the line numbers that need no new work."""
+        """Load earlier records for lines 1..total; return the line numbers that need no new work (the
+        lines whose errors are dropped to be redone are in `redone`)."""
         for path in (self.output, self.partial):
             for record in _records_in(path):
                 if isinstance(record.get("line"), int) and 1 <= record["line"] <= total:
                     self.records[record["line"]] = record
         if not keep_errors:
+            self.redone = frozenset(n for n, r in self.records.items() if "error" in r)
             self.records = {n: r for n, r in self.records.items() if "error" not in r}
         # Rewritten whole so that later appends never land after a torn line.
         self._write(self.partial, self.records.values())
@@ -203,16 +212,29 @@ def _dumps(record: dict[str, Any]) -> str:
 class JobsClient:
     """Submits one request body as an async job and waits for its outcome, retrying what is worth retrying."""
 
-    def __init__(self, client: httpx.AsyncClient, max_attempts: int) -> None:
+    def __init__(self, client: httpx.AsyncClient, max_attempts: int, output: Path | None = None,
+                 redo: frozenset[int] = frozenset()) -> None:
+        """`output`: the run's output file, part of every Idempotency-Key (None: keys unique to this run);
+        `redo`: lines whose earlier job ended in an error, submitted anew (--retry-errors)."""
         self.client = client
         self.max_attempts = max_attempts
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = str(output.resolve()) if output is not None else uuid.uuid4().hex
+        self.redo = redo
+
+    def idempotency_key(self, line: int, body: dict[str, Any]) -> str:
+        """The same for the same output file, line and body: a retried submit, and a rerun after Ctrl-C or a
+        crash, find the job already made for the line instead of making another."""
+        text = json.dumps([self.run_id, line, body], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return f"openjev-batch-{line}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
     async def evaluate(self, line: int, body: dict[str, Any]) -> dict[str, Any]:
         """The /v1/systemone response body for `body`; raises LineError when there is none."""
-        # The key makes a retried submit (e.g. after a dropped connection) find the job it already made.
-        headers = {"Idempotency-Key": f"openjev-batch-{self.run_id}-{line}"}
-        job = _json_or_error(await self._send("POST", "/v1/jobs", json=body, headers=headers))
+        key = self.idempotency_key(line, body)
+        job = _json_or_error(await self._send("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}))
+        if line in self.redo and job.get("status") in TERMINAL - {"succeeded"}:
+            # The key found the job whose error is being retried: submit the line as a new job.
+            key = f"{key}-{uuid.uuid4().hex[:12]}"
+            job = _json_or_error(await self._send("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}))
         while job.get("status") not in TERMINAL:
             _give_up_past_deadline(job)
             job = _json_or_error(await self._send("GET", f"/v1/jobs/{job['id']}", params={"wait": POLL_WAIT}))
@@ -286,7 +308,7 @@ async def _process(options: BatchOptions, todo: list[tuple[int, str]], questions
                disable=None if options.progress else True)
     async with httpx.AsyncClient(base_url=options.url.rstrip("/"), headers=headers, timeout=timeout,
                                  limits=limits) as client:
-        jobs = JobsClient(client, options.max_attempts)
+        jobs = JobsClient(client, options.max_attempts, options.output, log.redone)
         pending = iter(todo)  # shared by the workers: each next() hands out one line, in input order
         errors = 0
 

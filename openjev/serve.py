@@ -8,7 +8,9 @@ container platform replaces it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from common.contract import EXAMPLE_REQUEST
 from common.redis_connection import redis_address
 from common.settings import Settings
 from openjev.embedded_redis import DataDirInUse, RedisServer, free_port
@@ -38,6 +41,10 @@ SECRETS_NEEDED = {  # the secrets in serve's environment that each child needs; 
 }
 SECRETS = set().union(*SECRETS_NEEDED.values())
 RESTART_LIMIT = 20  # restarts within a minute before serve gives up on a crash-looping worker or Redis
+STOP_TIMEOUT = 7.0  # on Ctrl-C or SIGTERM: a child (SGLang aside) still running after this is killed
+REDIS_STOP_TIMEOUT = 2.0  # then Redis, last, writes its file and exits (ms at rest): serve is gone within 10 s
+PROGRESS_INTERVAL = 10.0  # seconds between "still loading" lines while a child starts
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "first-request.json"  # the README's first request
 
 
 @dataclass
@@ -55,22 +62,32 @@ class Child:
     own_group: bool = False  # started as its own process group, so stopping it reaches every process it forked
 
     def start(self) -> None:
-        self.process = self.launch() if self.launch else subprocess.Popen(self.argv, env=self.env,
-                                                                          start_new_session=self.own_group)
+        # Never in serve's process group: a terminal's Ctrl-C reaches serve alone, which then stops each
+        # child once (a second signal makes uvicorn cancel its lifespan and print a traceback).
+        self.process = self.launch() if self.launch else subprocess.Popen(
+            self.argv, env=self.env, start_new_session=self.own_group, process_group=None if self.own_group else 0)
 
     def stop(self, timeout: float) -> None:
         """SIGTERM, then SIGKILL after `timeout` s; with `own_group`, to the whole group, and the group is
         killed even when its leader exits in time (SGLang's scheduler and detokenizer are its children)."""
+        self.terminate()
+        self.wait_or_kill(time.monotonic() + timeout)
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM), without waiting."""
+        if self.process is not None and self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        """Wait for it to exit until `deadline` (monotonic), then SIGKILL it (with `own_group`, its group)."""
         process = self.process
         if process is None:
             return
-        if process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                process.wait()
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            process.wait()
         if self.own_group:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
@@ -107,8 +124,8 @@ class Supervisor:
         self._stopping = False
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
         try:
             return self._run()
         finally:
@@ -123,7 +140,7 @@ class Supervisor:
             self._spawn_api(env)
         engine_urls = self._engines(env)
         if engine_urls is None:
-            return 1
+            return 0 if self._stopping else 1
         prefix = (self.settings.worker_id or socket.gethostname()) if self.options.shared_redis else "local"
         for i, url in enumerate(engine_urls):
             self._spawn(Child(f"worker-{i}", _openjev("worker"),
@@ -133,11 +150,18 @@ class Supervisor:
         if not api_first:
             self._spawn_api(env)
         if not self._wait_ready():
-            return 1
-        print(f"openjev is serving on http://{self._display_host()}:{self.options.port}"
-              f"  (docs: /, try: curl -s http://{self._display_host()}:{self.options.port}/v1/systemone "
-              "-H 'Content-Type: application/json' --data-binary @examples/request.json)", flush=True)
+            return 0 if self._stopping else 1
+        url = f"http://{self._display_host()}:{self.options.port}"
+        print(f"openjev is serving on {url}  (docs: {url}/, Ctrl-C stops it)\n  try: {self._try_command(url)}",
+              flush=True)
         return self._watch()
+
+    def _try_command(self, url: str) -> str:
+        """A curl line that works from any directory, with the key's header (never the key) when one is set."""
+        body = f"@{EXAMPLE}" if EXAMPLE.is_file() else json.dumps(EXAMPLE_REQUEST)
+        auth = ' -H "Authorization: Bearer $OPENJEV_API_KEY"' if self.settings.api_key is not None else ""
+        return (f"curl -s {url}/v1/systemone{auth} -H 'Content-Type: application/json' "
+                f"--data-binary {shlex.quote(body)}")
 
     def _redis(self) -> str:
         """The Redis URL the children get (with its password, in their environment only)."""
@@ -162,7 +186,7 @@ class Supervisor:
 
     def _spawn_api(self, env: dict[str, str]) -> None:
         self._spawn(Child("api", _openjev("api", "--host", self.options.host, "--port", str(self.options.port)),
-                          child_env("api", env)))
+                          child_env("api", env)), "the HTTP API: loads the tokenizer, 3-10 s on an idle machine")
 
     def _base_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -212,7 +236,7 @@ class Supervisor:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             self._spawn(Child(f"engine-{i}", *self._engine_command(port, child_env("engine", env)),
-                              own_group=bool(self.options.sglang_python)))
+                              own_group=bool(self.options.sglang_python)), self._engine_note())
             urls.append(url)
         timeout = SGLANG_START_TIMEOUT if self.options.sglang_python else ENGINE_START_TIMEOUT
         for url, child in zip(urls, self.children[-len(urls):], strict=True):
@@ -232,13 +256,26 @@ class Supervisor:
         return _openjev("engine", "--port", str(port), "--cache-dir", str(self.settings.cache_dir / "models"),
                         "--compute-delay", str(self.options.compute_delay), *model), env
 
-    def _spawn(self, child: Child) -> None:
-        _log(f"starting {child.name}")
+    def _engine_note(self) -> str:
+        if self.options.sglang_python:
+            return "SGLang: loads the model and warms up, about 2 min on a CPU, longer the first time"
+        if self.options.connect:
+            return ""
+        name = self.options.cpu_model or "smollm2-135m"
+        if self._cpu_model_dir().is_dir():
+            return f"the CPU engine: loads {name}, 5-15 s on an idle machine"
+        once = "20 s on an idle 2-core machine, 1-2 min on a busy one" if not self.options.cpu_model else "minutes"
+        return f"the CPU engine: converts {name} once into {self._cpu_model_dir().parent} ({once}), then loads it"
+
+    def _spawn(self, child: Child, note: str = "") -> None:
+        _log(f"starting {child.name}" + (f" ({note})" if note else ""))
         child.start()
         self.children.append(child)
 
     def _wait_healthy(self, child: Child, url: str, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        next_note = started + PROGRESS_INTERVAL
         while time.monotonic() < deadline and not self._stopping:
             if self._check_children() is not None:  # any fatal death ends the start, not only this child's
                 return False
@@ -247,8 +284,12 @@ class Supervisor:
                     return True
             except httpx.HTTPError:
                 pass
+            if time.monotonic() >= next_note:
+                _log(f"still waiting for {child.name} ({time.monotonic() - started:.0f} s)")
+                next_note += PROGRESS_INTERVAL
             time.sleep(0.5)
-        _log(f"{child.name} did not become healthy within {timeout:.0f} s")
+        if not self._stopping:
+            _log(f"{child.name} did not become healthy within {timeout:.0f} s")
         return False
 
     def _wait_ready(self) -> bool:
@@ -288,9 +329,18 @@ class Supervisor:
         self._stopping = True
 
     def _stop_all(self) -> None:
-        # Reverse start order: the API stops taking requests first, Redis goes last.
-        for child in reversed(self.children):
-            child.stop(timeout=SGLANG_STOP_TIMEOUT if child.own_group else 10)
+        # Everything but Redis at once (each stops within STOP_TIMEOUT or is killed), then Redis: workers
+        # store their last outcomes and the API stops taking requests while the queue is still there.
+        if self._stopping:
+            _log("stopping")
+        others = [child for child in self.children if child.name != "redis"]
+        redis = [child for child in self.children if child.name == "redis"]
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for group, until in ((others, deadline), (redis, deadline + REDIS_STOP_TIMEOUT)):
+            for child in group:
+                child.terminate()
+            for child in group:
+                child.wait_or_kill(until + (SGLANG_STOP_TIMEOUT - STOP_TIMEOUT if child.own_group else 0.0))
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.options.host in ("0.0.0.0", "::") else self.options.host

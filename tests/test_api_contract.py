@@ -128,7 +128,10 @@ def test_unknown_top_level_and_question_fields_are_ignored(scripted_stack: Stack
 def test_unknown_model_is_400_with_the_error_shape(scripted_stack: Stack) -> None:
     r = scripted_stack.post({**body(), "model": "gpt-nope"})
     assert r.status_code == 400
-    assert r.json() == {"detail": {"error_type": "api_usage_error", "message": "Unknown model: gpt-nope"}}
+    name = scripted_stack.env["OPENJEV_SERVED_MODEL_NAME"]
+    accepted = f"`{name}`, `jev-latest`; any name beginning `jev-` (a pinned version such as `jev-1.13.0` too)"
+    assert r.json() == {"detail": {"error_type": "api_usage_error", "message": f"Unknown model: gpt-nope. This "
+                                   f"server accepts {accepted}; GET /v1/models lists them"}}
     assert r.headers["content-type"].startswith("application/json")
 
 

@@ -4,6 +4,9 @@ order, per-line errors and resume; against a stub on loopback for Retry-After an
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +17,11 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from openjev.batch import BatchOptions, retry_after, run_batch
 from tests.conftest import Stack
+from tests.processes import ROOT
 
 QUESTIONS = {
     "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},
@@ -50,6 +55,21 @@ def batch(tmp_path: Path, url: str, lines: list[Any], **options: Any) -> tuple[i
 
 def engine_requests(stack: Stack) -> int:
     return stack.engine_stats()["requests_received"]
+
+
+class Counts(dict):
+    def __sub__(self, other: dict[str, int]) -> dict[str, int]:
+        return {status: self.get(status, 0) - other.get(status, 0) for status in ("200", "202")}
+
+
+def job_submits(stack: Stack) -> Counts:
+    """POST /v1/jobs answers so far by status, from the API's /metrics: 202 a new job, 200 one a key found."""
+    counts = Counts()
+    for family in text_string_to_metric_families(httpx.get(stack.url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "openjev_requests_total" and sample.labels["route"] == "/v1/jobs":
+                counts[sample.labels["status"]] = int(sample.value)
+    return counts
 
 
 def test_output_has_one_line_per_input_line_in_order_with_errors_recorded(scripted_stack: Stack,
@@ -90,10 +110,13 @@ def test_resume_after_a_crash_submits_only_lines_without_a_record(scripted_stack
     partial.write_text("".join(json.dumps(first[i]) + "\n" for i in (0, 1, 3)) + torn)
     output.unlink()
 
-    before = engine_requests(scripted_stack)
+    before, submits = engine_requests(scripted_stack), job_submits(scripted_stack)
     code, resumed = batch(tmp_path, scripted_stack.url, STATES)
     assert code == 0
-    assert engine_requests(scripted_stack) - before == 2 * per_line  # lines 3 and 5 only
+    # Lines 3 and 5 only are submitted again, and their Idempotency-Keys find the jobs the first run made
+    # (200, not a new 202): no engine work is done again.
+    assert job_submits(scripted_stack) - submits == {"200": 2, "202": 0}
+    assert engine_requests(scripted_stack) - before == 0
     assert resumed == first
     assert not partial.exists()
 
@@ -206,3 +229,101 @@ def test_retry_after_reads_seconds_and_http_dates_within_bounds() -> None:
     assert 3.0 <= retry_after(answer(formatdate(time.time() + 5, usegmt=True)), attempt=1) <= 5.0
     assert retry_after(answer("86400"), attempt=1) == 60.0
     assert retry_after(answer("soon"), attempt=3) == 2.0
+
+
+class KeyedJobs(BaseHTTPRequestHandler):
+    """The jobs API's Idempotency-Key in miniature: a key already used answers 200 with its job. Jobs stay
+    `running` until `done` is set; then they end with `outcome` (as the job was when it was made)."""
+
+    url: ClassVar[str] = ""
+    jobs: ClassVar[dict[str, dict[str, Any]]] = {}  # job id -> view
+    keys: ClassVar[dict[str, str]] = {}  # Idempotency-Key -> job id
+    outcome: ClassVar[str] = "succeeded"
+    done: ClassVar[threading.Event]
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        key = self.headers["Idempotency-Key"]
+        if key in self.keys:
+            self._reply(200, self._view(self.keys[key]))
+            return
+        job_id = f"job{len(self.jobs)}"
+        self.jobs[job_id] = {"id": job_id, "status": "running", "outcome": self.outcome,
+                             "created_at": "2026-01-01T00:00:00Z", "deadline_at": "2999-01-01T00:00:00Z"}
+        self.keys[key] = job_id
+        self._reply(202, self._view(job_id))
+
+    def do_GET(self) -> None:
+        job_id = self.path.split("?")[0].rsplit("/", 1)[1]
+        if not self.done.is_set():
+            self.done.wait(0.5)  # a short long-poll
+        self._reply(200, self._view(job_id))
+
+    def _view(self, job_id: str) -> dict[str, Any]:
+        job = dict(self.jobs[job_id])
+        if self.done.is_set():
+            job["status"] = job["outcome"]
+            if job["status"] == "succeeded":
+                job["result"] = {"answers": {}, "job": job_id}
+            else:
+                job["error"] = {"error_type": "engine_error", "message": f"{job_id} failed"}
+        del job["outcome"]
+        return job
+
+    _reply = StubJobs._reply
+    log_message = StubJobs.log_message
+
+
+@pytest.fixture
+def keyed() -> Iterator[type[KeyedJobs]]:
+    handler = type("Keyed", (KeyedJobs,), {"jobs": {}, "keys": {}, "done": threading.Event()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    handler.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield handler
+    handler.done.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_jobs_in_flight_at_ctrl_c_are_reused_on_resume_not_submitted_again(keyed: type[KeyedJobs],
+                                                                          tmp_path: Path) -> None:
+    questions = write_lines(tmp_path / "questions.json", [QUESTIONS])
+    input_path = write_lines(tmp_path / "in.jsonl", STATES[:3])
+    output = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "openjev", "batch", str(input_path), "--url", keyed.url, "-o", str(output),
+            "--questions", str(questions)]
+    run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(keyed.jobs) < 3:  # every line's job is in flight
+            assert time.monotonic() < deadline and run.poll() is None, "the batch never submitted its lines"
+            time.sleep(0.05)
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=30) == 130
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert "rerun the same command to resume" in run.stderr.read().decode()
+
+    keyed.done.set()
+    code = run_batch(BatchOptions(input=input_path, output=output, url=keyed.url, questions=questions,
+                                  progress=False))
+    assert code == 0
+    assert len(keyed.jobs) == 3  # the rerun made no new job
+    assert sorted(r["result"]["job"] for r in read_records(output)) == ["job0", "job1", "job2"]
+
+
+def test_retry_errors_submits_a_failed_line_as_a_new_job(keyed: type[KeyedJobs], tmp_path: Path) -> None:
+    keyed.outcome = "failed"
+    keyed.done.set()
+    code, first = batch(tmp_path, keyed.url, STATES[:2])
+    assert code == 1 and sorted(r["error"]["message"] for r in first) == ["job0 failed", "job1 failed"]
+
+    code, again = batch(tmp_path, keyed.url, STATES[:2])  # without --retry-errors: kept as they are
+    assert code == 1 and again == first and len(keyed.jobs) == 2
+
+    keyed.outcome = "succeeded"
+    code, retried = batch(tmp_path, keyed.url, STATES[:2], retry_errors=True)
+    assert code == 0 and sorted(r["result"]["job"] for r in retried) == ["job2", "job3"]
