@@ -294,7 +294,14 @@ def test_jobs_in_flight_at_ctrl_c_are_reused_on_resume_not_submitted_again(keyed
     output = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "openjev", "batch", str(input_path), "--url", keyed.url, "-o", str(output),
             "--questions", str(questions)]
-    run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    # A terminal's foreground job has SIGINT at its default; a runner that starts the tests in the background
+    # (CI does) has it ignored, and an ignored signal stays ignored across exec. A Python-level handler does
+    # not: the child starts with the default, as under a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 60
         while len(keyed.jobs) < 3:  # every line's job is in flight

@@ -42,7 +42,8 @@ async def test_a_huge_model_name_is_echoed_as_a_short_prefix(client: httpx.Async
     r = await client.post(path, json=request_body(model=HUGE))
     assert r.status_code == 400
     message = r.json()["detail"]["message"]
-    assert message == f"Unknown model: {'m' * ECHO_CHARS}…"
+    assert message.startswith(f"Unknown model: {'m' * ECHO_CHARS}…. This server accepts ")
+    assert "m" * (ECHO_CHARS + 1) not in message
     assert len(r.content) < SHORT
 
 
