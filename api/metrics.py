@@ -3,12 +3,14 @@ stages, outcomes), and, read from Redis at scrape time, the queue and every live
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from common.jobs import JobOutcome, JobStatus
-from common.queue.membership import Backlog, WorkerInfo
+from common.queue.membership import BATCH_BUCKETS, Backlog, WorkerInfo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WORKER_FIGURES = {  # WorkerCounters field -> help text
@@ -74,6 +76,8 @@ class ApiMetrics:
         self.worker_figures = {
             name: Gauge(f"openjev_worker_{name}", text + " (since the worker started)", ["worker"], registry=r)
             for name, text in WORKER_FIGURES.items()}
+        self.batching = BranchCallSizes()
+        r.register(self.batching)
 
     def observe_request(self, route: str, status: int, seconds: float, tenant: str | None = None) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -130,4 +134,26 @@ class ApiMetrics:
             for outcome, count in worker.counters.endings.items():
                 self.worker_endings.labels(worker.id, outcome).set(count)
         self.live_workers.set(len(workers or []))
+        self.batching.workers = workers or []
         return generate_latest(self.registry)
+
+
+class BranchCallSizes(Collector):
+    """`openjev_worker_branch_call_prompts`: each worker's branch engine calls by prompts per call (a
+    histogram, since the worker started): how whole its batches stay. Read from the workers' heartbeats,
+    which carry the bucket counts; its _count is the worker's branch engine calls."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerInfo] = []
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily("openjev_worker_branch_call_prompts", "Branch engine calls by prompts per "
+                                       "call (since the worker started)", labels=["worker"])
+        for worker in self.workers:
+            counts = worker.counters.branch_call_prompts
+            buckets, total = [], 0
+            for bound in [*map(str, BATCH_BUCKETS), "+Inf"]:
+                total += counts.get(bound, 0)
+                buckets.append((bound if bound == "+Inf" else str(float(bound)), total))  # le="8.0", as Histogram
+            family.add_metric([worker.id], buckets, sum_value=worker.counters.branch_calls)
+        yield family

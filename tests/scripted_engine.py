@@ -56,6 +56,7 @@ def create_app() -> FastAPI:
     received: list[str] = []  # rids in arrival order
     finished: list[str] = []  # rids answered with logprobs, in order
     aborted_rids: list[str] = []  # rids ended by an abort request, in order
+    calls: list[list[str]] = []  # each /generate call's rids, in arrival order
     seen = PrefixTrie()
     background: set[asyncio.Task[Any]] = set()  # prompts of failed calls, still running
 
@@ -67,7 +68,8 @@ def create_app() -> FastAPI:
 
     @app.get("/stats")
     async def get_stats() -> dict[str, Any]:
-        return {**stats, "live": sorted(live), "received": received, "finished": finished, "aborted": aborted_rids}
+        return {**stats, "live": sorted(live), "received": received, "finished": finished, "aborted": aborted_rids,
+                "calls": calls}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -90,6 +92,7 @@ def create_app() -> FastAPI:
     async def generate(request: Request) -> Response:
         body = orjson.loads(await request.body())
         prompts = batch_items(body)
+        calls.append([rid for rid, _, _ in prompts])
         failing = [rid for rid, _, _ in prompts if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix)]
         if failing and script.fail_times is not None:
             failing = failing if script.fail_times > 0 else []

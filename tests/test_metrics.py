@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,3 +67,29 @@ def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) 
     assert m[("openjev_worker_engine_errors", (("worker", "w0"),))] >= 1
     assert m[("openjev_worker_aborts_sent", (("worker", "w0"),))] >= 2  # b0 and b2 were live
     assert m[("openjev_worker_jobs_ended", (("outcome", "failed"), ("worker", "w0")))] >= 1
+
+
+def test_64_question_jobs_under_contention_keep_their_batches_whole(scripted_stack: Stack) -> None:
+    """Issue 29: 16 requests of 64 questions at once on one worker (64 branch slots, 16 jobs at a time).
+    Each job's branches reach the engine in at most two calls (a warm call besides), where slots freed a
+    few at a time used to go out as calls of 1-4 prompts; /metrics shows the calls by prompts per call."""
+    questions = {f"q{i}": {**NOUL, "instructions": f"Is the customer asking for money back? ({i})"}
+                 for i in range(64)}
+    before = len(scripted_stack.engine_stats()["calls"])
+    scripted_stack.script(delay=0.2)  # each call takes a while: the jobs overlap and compete for slots
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda _: scripted_stack.post(body(questions)).status_code, range(16)))
+    finally:
+        scripted_stack.script(delay=0.0)
+    assert statuses == [200] * 16
+    calls = scripted_stack.engine_stats()["calls"][before:]
+    branch_calls = Counter(rids[0].split(".")[0] for rids in calls if ".b" in rids[0])
+    assert len(branch_calls) == 16 and max(branch_calls.values()) <= 2, branch_calls
+    assert sum(len(rids) for rids in calls if ".b" in rids[0]) == 16 * 64
+    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # a heartbeat carries the worker's counters
+    m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
+    worker = (("worker", "w0"),)
+    assert m[("openjev_worker_branch_call_prompts_count", worker)] >= sum(branch_calls.values())
+    small = m[("openjev_worker_branch_call_prompts_bucket", (("le", "8.0"), *worker))]
+    assert small <= m[("openjev_worker_branch_call_prompts_count", worker)] - sum(branch_calls.values())

@@ -25,7 +25,8 @@ class Evaluation:
     body: dict
     prefix_tokens: int
     warm_call: GenerateResult
-    branch_calls: list[GenerateResult]
+    branch_calls: list[GenerateResult]  # one per branch
+    call_sizes: list[int]  # prompts per engine call that carried the branches, in the order they were sent
     prefill_seconds: float
     branches_seconds: float
 
@@ -48,6 +49,7 @@ class JobEvaluation:
         self.batch_size = batch_size
         self._live: set[str] = set()  # rids sent to the engine and not yet answered
         self.aborts_sent = 0  # abort requests sent for this job's live calls
+        self.call_sizes: list[int] = []  # prompts per branch call sent
 
     async def run(self) -> Evaluation:
         """Evaluate before the job's deadline (TimeoutError past it)."""
@@ -79,6 +81,7 @@ class JobEvaluation:
             prefix_tokens=len(self.job.prefix_ids),
             warm_call=warm,
             branch_calls=results,
+            call_sizes=self.call_sizes,
             prefill_seconds=warmed - started,
             branches_seconds=done - warmed,
         )
@@ -110,6 +113,7 @@ class JobEvaluation:
     async def _score_batch(self, prefix: SharedPrefix, prompts: list[BranchPrompt]) -> list[GenerateResult]:
         rids = [p.rid for p in prompts]
         self._live.update(rids)
+        self.call_sizes.append(len(prompts))
         results = await self.engine.score_branches(prefix, prompts, self.job.remaining(), self.max_new_tokens)
         self._live.difference_update(rids)  # only on an answer: a failed or cancelled call stays to be aborted
         return results

@@ -165,7 +165,7 @@ async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float, attemp
         return _failure(JobStatus.failed, 502, "engine_error", str(exc), ctx)
     finally:
         counters.aborts_sent += evaluation.aborts_sent
-    counters.record_job(result.warm_call, result.branch_calls)
+    counters.record_job(result.warm_call, result.branch_calls, result.call_sizes)
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
                       worker_id=ctx["worker_id"])

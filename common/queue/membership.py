@@ -17,6 +17,7 @@ from common.queue import keys
 HEARTBEAT_INTERVAL = 1.0  # seconds between heartbeats while the worker evaluates jobs (its load changes)
 RESTING_HEARTBEAT_INTERVAL = 2.0  # seconds between heartbeats with no job running: a beat can still be 3 s late
 LIVENESS_WINDOW = 5.0  # a worker silent this long leaves the routing set
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prompts per branch engine call, for the batching histogram
 
 
 class CallTokens(Protocol):
@@ -38,13 +39,16 @@ class WorkerCounters(BaseModel):
     warm_calls: int = 0  # warm calls of answered jobs
     warm_prompt_tokens: int = 0  # their prompt tokens
     warm_cached_tokens: int = 0  # of those, the tokens the engine found in its prefix cache
-    branch_calls: int = 0  # branch calls of answered jobs
+    branch_calls: int = 0  # branches (one prompt each) of answered jobs
     branch_prompt_tokens: int = 0
     branch_cached_tokens: int = 0
     unreported_calls: int = 0  # calls whose engine did not report cached_tokens (SGLang 0.5.19's Rust frontend)
     engine_errors: int = 0  # engine calls that failed or were aborted by the engine
     jobs_rerun: int = 0  # jobs queued to run again after their engine failed them (common/queue/reruns.py)
     aborts_sent: int = 0  # abort requests sent for live calls of failed, timed-out or cancelled jobs
+    branch_engine_calls: int = 0  # the batched engine calls that carried those branches
+    branch_call_prompts: dict[str, int] = Field(default_factory=dict)  # those calls by prompts per call: the
+    # smallest of BATCH_BUCKETS (as a string, or "+Inf") that holds the call's size -> calls
     endings: dict[str, int] = Field(default_factory=dict)  # outcomes this worker stored, by status, and
     # "refused": outcomes it computed for a job that had ended or moved meanwhile
 
@@ -52,8 +56,13 @@ class WorkerCounters(BaseModel):
         """Count one job this worker ended (or whose ending was refused), where it happened."""
         self.endings[ending] = self.endings.get(ending, 0) + 1
 
-    def record_job(self, warm: CallTokens, branches: Sequence[CallTokens]) -> None:
-        """Add an answered job's warm call and branch calls."""
+    def record_job(self, warm: CallTokens, branches: Sequence[CallTokens], call_sizes: Sequence[int] = ()) -> None:
+        """Add an answered job's warm call and branches; `call_sizes`: the prompts of each engine call
+        that carried its branches."""
+        for size in call_sizes:
+            bucket = next((str(b) for b in BATCH_BUCKETS if size <= b), "+Inf")
+            self.branch_call_prompts[bucket] = self.branch_call_prompts.get(bucket, 0) + 1
+        self.branch_engine_calls += len(call_sizes)
         self.jobs_done += 1
         self.warm_calls += 1
         self.warm_prompt_tokens += warm.prompt_tokens
