@@ -5,13 +5,16 @@ each a full stack of real processes, measured in the same run with rounds interl
 machine's load hits both alike. Medians of the rounds; ratios are new / baseline.
 
     uv run --extra cpu --extra dev python -m bench.cpu_cost [--baseline REV] [--rounds 3] [--unbatched]
+        [--only "64 questions"] [--only "README example, c=16"]
     uv run --extra cpu --extra dev python -m bench.cpu_cost --idle-floor [--rounds 3] [--idle-seconds 20]
         [--awake-cores]
 
 Scenarios: the README example at concurrency 1, 16 and 64; 1/4/16/64 questions and 100/1000/8000-token
 states at concurrency 16 (per-question and per-1k-state-token slopes from them); and each stack at rest.
 The baseline runs from a temporary `git worktree` of REV in an environment synced from REV's own
-pyproject.toml; `--unbatched` adds this checkout with one engine call per branch.
+pyproject.toml; `--unbatched` adds this checkout with one engine call per branch. Besides CPU, each
+sample counts the engine's /generate calls and Redis's commands (INFO commandstats) per request, and
+the report gives each scenario's spread across rounds (largest / smallest total CPU).
 Figures: bench/RESULTS-cpu.md.
 """
 
@@ -58,6 +61,8 @@ class Stack:
     redis_hz: int | None = None  # Redis's `hz` (its background timer, 10 by default), set after it starts
     url: str = ""
     pids: dict[str, int] = field(default_factory=dict)
+    engine_url: str = ""
+    redis_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class Sample:
 
     cpu_ms: dict[str, float]  # CPU-ms per request, per process
     rps: float
+    engine_calls: float = 0.0  # /generate calls per request (warm and branch calls)
+    redis_commands: float = 0.0  # Redis commands per request, every client's (INFO commandstats)
 
     @property
     def total(self) -> float:
@@ -137,6 +144,7 @@ def running_stack(stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stac
         stack.url = f"http://127.0.0.1:{api_port}"
         wait_ready(f"{stack.url}/health", api)
         stack.pids = {"api": api.pid, "worker": worker.pid, "redis": redis.pid}
+        stack.engine_url, stack.redis_url = f"http://127.0.0.1:{engine_port}", redis_url
         yield stack
     finally:
         for process in reversed(processes):
@@ -189,12 +197,27 @@ async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
         return time.perf_counter() - started
 
 
+def engine_calls(stack: Stack) -> int:
+    return httpx.get(f"{stack.engine_url}/stats", timeout=30).json()["generate_calls"]
+
+
+def redis_commands(stack: Stack) -> int:
+    """Commands Redis has run since it started, every command together (the INFO that asks included)."""
+    import redis as redis_client
+
+    with redis_client.Redis.from_url(stack.redis_url) as client:
+        return sum(stat["calls"] for stat in client.info("commandstats").values())
+
+
 def measure(stack: Stack, scenario: Scenario) -> Sample:
+    calls_before, commands_before = engine_calls(stack), redis_commands(stack)
     before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     wall = asyncio.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
     after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
-    return Sample(cpu, scenario.requests / wall)
+    calls = (engine_calls(stack) - calls_before) / scenario.requests
+    commands = (redis_commands(stack) - commands_before - 1) / scenario.requests  # less the INFO before
+    return Sample(cpu, scenario.requests / wall, calls, commands)
 
 
 def run_seconds(pid: int) -> float:
@@ -345,14 +368,23 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def median_sample(samples: list[Sample]) -> Sample:
     cpu = {name: statistics.median(s.cpu_ms[name] for s in samples) for name in MEASURED}
-    return Sample(cpu, statistics.median(s.rps for s in samples))
+    return Sample(cpu, statistics.median(s.rps for s in samples), statistics.median(s.engine_calls for s in samples),
+                  statistics.median(s.redis_commands for s in samples))
+
+
+def spread(samples: list[Sample]) -> str:
+    """Largest / smallest total CPU across the rounds, with the range of engine calls per request."""
+    totals = [s.total for s in samples]
+    calls = [s.engine_calls for s in samples]
+    return f"{max(totals) / min(totals):.2f}× ({min(calls):.1f}-{max(calls):.1f} calls)" if min(totals) else "–"
 
 
 def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], found: list[Scenario],
            idle: dict[str, list[dict[str, float]]]) -> list[str]:
     base, new = stacks[0].name, stacks[-1].name
-    lines = ["| scenario | stack | API | worker | Redis | total CPU-ms/request | requests/s | total ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| scenario | stack | API | worker | Redis | total CPU-ms/request | requests/s | total ratio "
+             "| engine calls/request | Redis commands/request | spread across rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     medians = {key: median_sample(samples) for key, samples in results.items()}
     for scenario in found:
         reference = medians[(scenario.name, base)].total
@@ -360,15 +392,17 @@ def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], fo
             m = medians[(scenario.name, stack.name)]
             ratio = "" if stack.name == base else f"**{m.total / reference:.2f}×**"
             lines.append(f"| {scenario.name} | {stack.name} | {m.cpu_ms['api']:.2f} | {m.cpu_ms['worker']:.2f} | "
-                         f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} |")
+                         f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} | {m.engine_calls:.1f} | "
+                         f"{m.redis_commands:.1f} | {spread(results[(scenario.name, stack.name)])} |")
     lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
-    for stack in stacks if found else []:
-        per_question = slope([(s.questions, medians[(s.name, stack.name)].total) for s in found
-                              if s.name.endswith("questions, c=16")])
-        per_1k = slope([(s.state_tokens / 1000, medians[(s.name, stack.name)].total) for s in found
-                        if s.state_tokens])
-        lines.append(f"| per question | {stack.name} | {per_question:.2f} |")
-        lines.append(f"| per 1k state tokens | {stack.name} | {per_1k:.2f} |")
+    for stack in stacks:
+        by_questions = [(s.questions, medians[(s.name, stack.name)].total) for s in found
+                        if s.name.endswith("questions, c=16")]
+        by_state = [(s.state_tokens / 1000, medians[(s.name, stack.name)].total) for s in found if s.state_tokens]
+        if len(by_questions) >= 2:  # a slope needs two points (--only may leave fewer)
+            lines.append(f"| per question | {stack.name} | {slope(by_questions):.2f} |")
+        if len(by_state) >= 2:
+            lines.append(f"| per 1k state tokens | {stack.name} | {slope(by_state):.2f} |")
     lines += ["", "| at rest | stack | API | worker | Redis | total CPU-ms per second |", "|---|---|---|---|---|---|"]
     for stack in stacks:
         rest = {name: statistics.median(r[name] for r in idle[stack.name]) for name in MEASURED}
@@ -391,6 +425,8 @@ def main() -> int:
                              "bare uvicorn, the API's own server and a bare 10 Hz asyncio loop")
     parser.add_argument("--awake-cores", action="store_true",
                         help="with --idle-floor: measure beside one nice-19 busy loop per core (bench/awake.py)")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="only the scenarios whose name contains TEXT (repeatable)")
     parser.add_argument("--unbatched", action="store_true",
                         help="also run this checkout with OPENJEV_BRANCH_BATCH_SIZE=1 (one call per branch)")
     args = parser.parse_args()
@@ -403,6 +439,8 @@ def main() -> int:
         print("\n".join(idle_floor(model_dir, log_dir, args.rounds, args.idle_seconds, args.awake_cores)), flush=True)
         return 0
     found = [] if args.idle_only else scenarios(model_dir, args.quick)
+    if args.only:
+        found = [s for s in found if any(text in s.name for text in args.only)]
     with ExitStack() as resources:
         base_root = resources.enter_context(baseline_checkout(args.baseline))
         wanted = [Stack(f"baseline {args.baseline}", base_root, str(base_root / ".venv" / "bin" / "python"))]

@@ -51,7 +51,7 @@ def create_app() -> FastAPI:
     app = FastAPI()
     script = Script()
     stats = {"requests_received": 0, "requests_finished": 0, "requests_aborted": 0, "aborts_received": 0,
-             "prompt_tokens": 0, "cached_tokens": 0}
+             "prompt_tokens": 0, "cached_tokens": 0, "generate_calls": 0}
     live: dict[str, asyncio.Event] = {}
     received: list[str] = []  # rids in arrival order
     finished: list[str] = []  # rids answered with logprobs, in order
@@ -93,6 +93,7 @@ def create_app() -> FastAPI:
         body = orjson.loads(await request.body())
         prompts = batch_items(body)
         calls.append([rid for rid, _, _ in prompts])
+        stats["generate_calls"] += 1
         failing = [rid for rid, _, _ in prompts if script.fail_rid_suffix and rid.endswith(script.fail_rid_suffix)]
         if failing and script.fail_times is not None:
             failing = failing if script.fail_times > 0 else []
