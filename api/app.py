@@ -79,7 +79,6 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
             yield
         finally:
             watching.cancel()
-            await app.state.services.queue.close()
             await waiter.stop()
             await redis.aclose()
 

@@ -21,7 +21,6 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost, TenantLimited
-from common.background import BackgroundWork
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane, serialize
 from common.queue import keys
 from common.queue.limits import TenantLimiter
@@ -108,7 +107,6 @@ class JobQueue:
         self.backlog_reader = BacklogReader(redis, store.longest_job_seconds)
         self.written = AppendOnlyFile(redis)
         self.copied = ReplicaCopy(redis)
-        self._forgetting = BackgroundWork(log)  # sync records being dropped after their answer
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
@@ -176,7 +174,6 @@ class JobQueue:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
                 if future.done() and (announced := future.result()) is not None:
-                    self._forget_later(job.id)
                     return JobOutcome.model_validate_json(announced)
                 with _reachable():
                     status, outcome = await self.store.collect(job.id)
@@ -186,15 +183,6 @@ class JobQueue:
                     return outcome
         finally:
             self.waiter.forget(job.id, future)
-
-    def _forget_later(self, job_id: str) -> None:
-        """Drop a sync job's record in the background; if Redis fails, it expires SYNC_KEEP s after its end."""
-        self._forgetting.start(self.store.forget(job_id),
-                               f"could not drop sync job {job_id}'s record; it expires within {SYNC_KEEP} s")
-
-    async def close(self) -> None:
-        """Stop dropping records (each expires on its own SYNC_KEEP s after its job's end)."""
-        await self._forgetting.close()
 
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return once the async job `job_id` has ended or is gone, or after `timeout` seconds."""

@@ -24,6 +24,10 @@ from common.tenants import DEFAULT_TENANT
 log = logging.getLogger("openjev.queue")
 
 SYNC_KEEP = 60  # seconds a sync job's record outlives its deadline or its outcome: only its caller reads it
+# Seconds a sync job's record is kept once its outcome went out in the notice: its caller already has it,
+# and one that missed the notice reads the record at its next recheck (every second), well within this
+# (a Sentinel failover took 2.2-2.5 s). The expiry replaces a DEL per request.
+SYNC_ANSWERED_KEEP = 15
 # The largest outcome a sync job's notice carries (bytes of JSON): every API process receives every
 # notice, so a bigger one (hundreds of options on many questions) is announced bare and read back.
 NOTICE_OUTCOME_MAX = 64 * 1024
@@ -67,23 +71,24 @@ end"""
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
 # store), 0 refused (ended already, or moved). The notice is "<job id> <status>"; a sync job's also
 # carries the outcome ("<job id> <status> <outcome JSON>") up to NOTICE_OUTCOME_MAX bytes: its one
-# reader, the request waiting for it, then answers without reading the record back (and drops it,
-# `forget`); the record stays the truth for a waiter that missed the notice.
+# reader, the request waiting for it, then answers without reading the record back; the record stays
+# the truth for a waiter that missed the notice, for SYNC_ANSWERED_KEEP seconds.
 _STORE = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by', 'tenant')
 if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
 END_FOR_TENANT
-redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
 if f[3] == 'sync' and #ARGV[3] <= NOTICE_OUTCOME_MAX then
+  redis.call('EXPIRE', KEYS[1], SYNC_ANSWERED_KEEP)
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
 else
+  redis.call('EXPIRE', KEYS[1], f[3] == 'sync' and SYNC_KEEP or tonumber(ARGV[4]))
   redis.call('PUBLISH', KEYS[2], ARGV[5] .. ' ' .. ARGV[2])
 end
 return 1
-""".replace("SYNC_KEEP", str(SYNC_KEEP)).replace("NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]"))
+""".replace("SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace("SYNC_KEEP", str(SYNC_KEEP)).replace(
+    "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace("END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]"))
 
 # KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
 # mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
@@ -214,10 +219,6 @@ class JobStore:
         if not status:
             return None, None
         return JobStatus(status.decode()), JobOutcome.model_validate_json(outcome) if outcome else None
-
-    async def forget(self, job_id: str) -> None:
-        """Remove a sync job's record once its caller has the outcome from the notice."""
-        await self.redis.delete(keys.job_key(job_id))
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or None if unknown or expired."""
