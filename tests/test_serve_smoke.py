@@ -125,16 +125,6 @@ os.execv(sys.executable, [sys.executable, "-m", "tests.scripted_engine", "--port
 """
 
 
-def serve_supports_shared_redis() -> bool:
-    from openjev.cli import _parser
-
-    try:
-        _parser().parse_args(["serve", "--shared-redis"])
-    except SystemExit:
-        return False
-    return True
-
-
 @pytest.fixture
 def shared_redis() -> Iterator[str]:
     with fresh_redis() as url:
@@ -142,7 +132,6 @@ def shared_redis() -> Iterator[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not serve_supports_shared_redis(), reason="needs `openjev serve --shared-redis` (issue 5)")
 def test_serve_with_sglang_answers_503_until_ready_then_passes_smoke(tmp_path: Path, shared_redis: str,
                                                                      model_dir: Path) -> None:
     record, release, log = tmp_path / "sglang.json", tmp_path / "release", tmp_path / "serve.log"
