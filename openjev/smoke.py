@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-TRANSIENT_STATUSES = frozenset({429, 503, 529})  # the tenant's rate, starting up, or shedding load: "try again"
-TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled", "expired"})
+from openjev.client import RETRY_STATUSES, TERMINAL_JOB_STATUSES, retry_after
+
 OFFICIAL_MAX_OPTIONS = 255
 RETRY_FOR_S = 60.0  # how long one check keeps retrying 429/503/529 once the server has been ready
 JOB_WAIT_S = 30  # the longest `wait` the jobs API accepts per poll
@@ -111,7 +111,7 @@ class SmokeClient:
                 time.sleep(1.0)
                 continue
             exchange = Exchange(response, time.perf_counter() - started, attempts)
-            if response.status_code not in TRANSIENT_STATUSES or time.monotonic() >= deadline:
+            if response.status_code not in RETRY_STATUSES or time.monotonic() >= deadline:
                 return exchange
             time.sleep(_retry_after(response))
 
@@ -475,10 +475,7 @@ def _int_header(headers: httpx.Headers, name: str) -> int | None:
 
 
 def _retry_after(response: httpx.Response) -> float:
-    try:
-        return min(5.0, max(0.2, float(response.headers.get("retry-after", "1"))))
-    except ValueError:
-        return 1.0
+    return retry_after(response, default=1.0, floor=0.2, ceiling=5.0)
 
 
 def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
