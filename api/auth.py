@@ -14,8 +14,8 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from api.errors import QueueUnavailable
-from api.middleware import ASGIApp, Message, Receive, Scope, Send, error_body, send_json
+from api.errors import QueueUnavailable, error_body, send_json
+from api.middleware import ASGIApp, Message, Receive, Scope, Send
 from common.tenants import KeysFileError, Tenant, TenantDirectory
 
 log = logging.getLogger("openjev.api")
@@ -167,8 +167,7 @@ class RateGate:
         except (RedisError, OSError):
             down = QueueUnavailable()
             scope["state"]["error_type"] = down.error_type
-            await send_json(send, down.status, error_body(down.error_type, down.message),
-                            [(k.lower().encode(), v.encode()) for k, v in down.headers.items()])
+            await down.send_to(send)
             return
         headers = [(name.lower().encode(), value.encode()) for name, value in decision.headers().items()]
         if not decision.allowed:

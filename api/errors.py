@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
 from api.strict_json import printable
 from common.contract import BOX_REFUSED, echo
+
+
+def error_body(error_type: str, message: str) -> bytes:
+    """The contract's error envelope, the one place it is written: every refusal, from the front door's
+    (api/front_door.py) to a route's, carries this body."""
+    return orjson.dumps({"detail": {"error_type": error_type, "message": message}})
+
+
+def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(error_type, message), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+async def send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]], status: int, body: bytes,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer from ASGI middleware (before or outside the app's routes) with a JSON body."""
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class ApiError(Exception):
@@ -24,6 +47,14 @@ class ApiError(Exception):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+
+    def response(self) -> Response:
+        return error_response(self.status, self.error_type, self.message, self.headers)
+
+    async def send_to(self, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        """Answer with this error from ASGI middleware."""
+        await send_json(send, self.status, error_body(self.error_type, self.message),
+                        [(name.lower().encode(), value.encode()) for name, value in self.headers.items()])
 
 
 class UnknownModel(ApiError):
@@ -121,17 +152,13 @@ def invalid(loc: list[str | int], message: str, kind: str = "value_error") -> Re
     return RequestValidationError([{"loc": ["body", *loc], "msg": message, "type": kind}])
 
 
-def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error the app can raise to the contract's shapes."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> Response:
         request.state.error_type = exc.error_type
-        return error_response(exc.status, exc.error_type, exc.message, exc.headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -140,14 +167,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     @app.exception_handler(RedisError)
-    async def _queue_down(request: Request, exc: RedisError) -> JSONResponse:
-        # Any route that reaches Redis while it restarts: a fast 503, never a 500.
+    async def _queue_down(request: Request, exc: RedisError) -> Response:
+        # Any route that reaches Redis while it restarts: a fast 503, never a 500 (middleware that
+        # reaches Redis before a route answers the same QueueUnavailable, api/auth.py).
         unavailable = QueueUnavailable()
         request.state.error_type = unavailable.error_type
-        return error_response(unavailable.status, unavailable.error_type, unavailable.message, unavailable.headers)
+        return unavailable.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "not_found_error", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
         headers = dict(exc.headers or {})
         allowed = allowed_methods(request) if exc.status_code == 405 else None

@@ -22,7 +22,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from api.middleware import error_body
+from api.errors import error_body
 from common.jobs import new_request_id
 from common.settings import Settings
 

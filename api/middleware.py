@@ -18,6 +18,7 @@ import orjson
 import zstandard
 from starlette.routing import compile_path
 
+from api.errors import error_body, send_json
 from api.strict_json import BodyRejected, read_json
 from common.contract import ASSETS_REFUSED, echo
 from common.jobs import new_request_id
@@ -47,16 +48,6 @@ class HttpDate:
         if second != self.second:
             self.second, self.value = second, formatdate(second, usegmt=True).encode()
         return self.value
-
-
-def error_body(error_type: str, message: str) -> bytes:
-    return orjson.dumps({"detail": {"error_type": error_type, "message": message}})
-
-
-async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class RequestContext:
