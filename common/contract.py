@@ -1,4 +1,5 @@
-"""The public wire contract (`spec/contract.md`): what Jev clients send and what they read back."""
+"""The public wire contract (the official Jev API's, as the README's "The API" describes it): what Jev
+clients send and what they read back."""
 
 from __future__ import annotations
 

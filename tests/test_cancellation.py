@@ -71,7 +71,10 @@ def test_past_the_deadline_the_caller_gets_504_and_the_work_is_aborted(slow_stac
 def test_a_deleted_async_job_stops_in_the_engine(slow_stack: Stack) -> None:
     before = slow_stack.engine_stats()
     job = httpx.post(slow_stack.url + "/v1/jobs", json=body(THREE), timeout=30).json()
-    time.sleep(1.3)  # the warm call finished; branches are in the engine
+    deadline = time.monotonic() + 20
+    while not any(rid.startswith(f"{job['id']}.b") for rid in slow_stack.engine_stats()["live"]):
+        assert time.monotonic() < deadline, "the job's branches never reached the engine"
+        time.sleep(0.05)  # until the warm call finished and branches are in the engine
     cancelled = httpx.delete(f"{slow_stack.url}/v1/jobs/{job['id']}", timeout=30).json()
     assert cancelled["status"] == "cancelled"
     after = settle(slow_stack, before, expected_received=2)
@@ -102,8 +105,7 @@ def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack
     # ... so an async job (2 s deadline) is still queued when its deadline passes.
     job = httpx.post(tight_stack.url + "/v1/jobs", json=body({"q1": NOUL}), timeout=30).json()
     holder.join()
-    time.sleep(1.0)
-    status = httpx.get(f"{tight_stack.url}/v1/jobs/{job['id']}").json()
+    status = httpx.get(f"{tight_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=20).json()
     received = tight_stack.engine_stats()["received"]
     assert status["status"] == "expired"
     assert status["error"]["error_type"] == "timeout_error"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,14 +24,25 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
+def metrics_once(url: str, ready: Callable[[dict[tuple[str, tuple], float]], bool],
+                 timeout: float = 4 * RESTING_HEARTBEAT_INTERVAL + 5) -> dict[tuple[str, tuple], float]:
+    """/metrics' samples once `ready` holds for them: a worker's figures arrive with its next heartbeat
+    (every RESTING_HEARTBEAT_INTERVAL s at rest)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = samples(httpx.get(url + "/metrics", timeout=30).text)
+        if ready(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: Stack) -> None:
     for _ in range(2):
         assert scripted_stack.post(body({"a": NOUL, "b": SCORE})).status_code == 200
     assert scripted_stack.post({**body(), "model": "nope"}).status_code == 400
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # a heartbeat carries the worker's counters (every 2 s at rest)
     r = httpx.get(scripted_stack.url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    m = samples(r.text)
+    m = metrics_once(scripted_stack.url, lambda m: m.get(("openjev_worker_jobs_done", (("worker", "w0"),)), 0) >= 2)
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "200")))] >= 2
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "400")))] >= 1
     for stage in ("queue", "prepare", "prefill", "branches"):
@@ -62,8 +74,8 @@ def test_engine_errors_and_aborts_are_counted_per_worker(scripted_stack: Stack) 
     finally:
         scripted_stack.script(delay=0.0, fail_rid_suffix=None, fail_status=500, fail_delay=0.0)
     assert r.status_code == 502
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)
-    m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
+    m = metrics_once(scripted_stack.url,
+                     lambda m: m.get(("openjev_worker_aborts_sent", (("worker", "w0"),)), 0) >= 2)
     assert m[("openjev_worker_engine_errors", (("worker", "w0"),))] >= 1
     assert m[("openjev_worker_aborts_sent", (("worker", "w0"),))] >= 2  # b0 and b2 were live
     assert m[("openjev_worker_jobs_ended", (("outcome", "failed"), ("worker", "w0")))] >= 1
@@ -87,9 +99,9 @@ def test_64_question_jobs_under_contention_keep_their_batches_whole(scripted_sta
     branch_calls = Counter(rids[0].split(".")[0] for rids in calls if ".b" in rids[0])
     assert len(branch_calls) == 16 and max(branch_calls.values()) <= 2, branch_calls
     assert sum(len(rids) for rids in calls if ".b" in rids[0]) == 16 * 64
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # a heartbeat carries the worker's counters
-    m = samples(httpx.get(scripted_stack.url + "/metrics", timeout=30).text)
     worker = (("worker", "w0"),)
+    m = metrics_once(scripted_stack.url, lambda m: m.get(("openjev_worker_branch_call_prompts_count", worker), 0)
+                     >= sum(branch_calls.values()))
     assert m[("openjev_worker_branch_call_prompts_count", worker)] >= sum(branch_calls.values())
     small = m[("openjev_worker_branch_call_prompts_bucket", (("le", "8.0"), *worker))]
     assert small <= m[("openjev_worker_branch_call_prompts_count", worker)] - sum(branch_calls.values())

@@ -1,4 +1,4 @@
-"""The SGLang launch command: the flags of `spec/sglang.md`, the frontend switch, pass-through
+"""The SGLang launch command: the flags worker/sglang_launcher.py documents, the frontend switch, pass-through
 arguments and the version facts the worker depends on."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""HTTP client for the subset of SGLang's native API the worker uses (`spec/sglang.md`):
+"""HTTP client for the subset of SGLang's native API the worker uses (as SGLang
+0.5.23 answers it, captured in tests/data/sglang-0.5.23-cpu/):
 `POST /generate` with input ids and label logprobs (one prompt, or a batch of them in one call),
 `POST /abort_request` by rid. Both of SGLang's HTTP frontends are understood, as measured on 0.5.23
 (`tests/data/sglang-0.5.23-cpu/`). Nothing the engine answers is trusted unchecked: an answer that is

@@ -1,5 +1,5 @@
 """Builds the SGLang launch command for the configured model, with flag names valid on SGLang 0.5.19
-through 0.5.23 (`spec/sglang.md`), and knows which of those versions need a workaround. What depends
+through 0.5.23 (README, "SGLang on a CPU"), and knows which of those versions need a workaround. What depends
 on the model (hybrid-only flags, the context length) is read from its `config.json` when it is a
 local directory or already in the Hugging Face cache."""
 

@@ -1,9 +1,9 @@
-"""The reference CPU engine's HTTP server: the subset of SGLang's native API the worker uses
-(`spec/sglang.md`), answered by a single compute thread with a prefix KV cache. A batched /generate
-call is computed as a batch: its prompts' shared start once, then all their tails in one packed pass.
-Long prompts are prefilled in chunks (as SGLang's chunked prefill does), and an abort is looked for
-before every decoder layer of every forward pass: a cancelled prompt frees the engine within one
-layer's time, not at the end of its prefill."""
+"""The reference CPU engine's HTTP server: the subset of SGLang's native API the worker uses (as SGLang
+0.5.23 answers it: tests/data/sglang-0.5.23-cpu/), answered by a single compute thread with a prefix KV
+cache. A batched /generate call is computed as a batch: its prompts' shared start once, then all their
+tails in one packed pass. Long prompts are prefilled in chunks (as SGLang's chunked prefill does), and
+an abort is looked for before every decoder layer of every forward pass: a cancelled prompt frees the
+engine within one layer's time, not at the end of its prefill."""
 
 from __future__ import annotations
 
