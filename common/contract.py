@@ -169,9 +169,16 @@ class SystemOneRequest(_Lenient):
         return state
 
 
+LABEL_MASS = Field(None, ge=0.0, le=1.0, description=(
+    "openjev's extension: the share of the model's next-token probability that fell on this question's "
+    "answer labels before the distribution was renormalised over them (1: the model answered with a label; "
+    "near 0: the probabilities are mostly noise). Official clients ignore it."))
+
+
 class NoulAnswer(BaseModel):
     type: Literal["noul"] = "noul"
     noul: float
+    x_label_mass: float | None = LABEL_MASS
 
 
 class ChoiceAnswer(BaseModel):
@@ -179,6 +186,7 @@ class ChoiceAnswer(BaseModel):
     choice: str
     probabilities: dict[str, float]
     confidence: float
+    x_label_mass: float | None = LABEL_MASS
 
 
 class ScoreAnswer(BaseModel):
@@ -187,6 +195,7 @@ class ScoreAnswer(BaseModel):
     legend: dict[str, JSON]
     probabilities: dict[str, float]
     confidence: float
+    x_label_mass: float | None = LABEL_MASS
 
 
 Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]

@@ -104,3 +104,22 @@ def test_a_keys_file_declares_bearer_security_and_the_tenants_429(tmp_path) -> N
     for path in ("/v1/systemone", "/v1/jobs"):
         assert "429" in paths[path]["post"]["responses"] and paths[path]["post"]["security"]
     assert "429" not in schema()["paths"]["/v1/systemone"]["post"]["responses"]
+
+
+def test_every_field_an_answer_carries_is_declared_in_the_schema() -> None:
+    """The answers the worker builds (common/scoring.py) are what the schema says, field for field:
+    `x_label_mass`, openjev's extension, included."""
+    from common.contract import ChoiceAnswer, NoulAnswer, ScoreAnswer
+    from common.scoring import choice_answer, label_distribution, noul_answer, score_answer
+    from common.settings import ConfidenceMode
+
+    dist = label_distribution([-0.5, -1.5, -2.5])
+    built = {NoulAnswer: noul_answer(label_distribution([-0.2, -2.0])),
+             ChoiceAnswer: choice_answer(dist, ["a", "b", "c"], ConfidenceMode.typesafe),
+             ScoreAnswer: score_answer(dist, ["low", "mid", "high"], ConfidenceMode.typesafe)}
+    components = schema()["components"]["schemas"]
+    for model, answer in built.items():
+        declared = set(components[model.__name__]["properties"])
+        assert set(answer) == declared, (model.__name__, set(answer) ^ declared)
+        assert model.model_validate(answer).model_dump() == answer
+    assert 0 < built[NoulAnswer]["x_label_mass"] <= 1
