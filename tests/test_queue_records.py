@@ -142,6 +142,18 @@ async def test_a_renewal_never_recreates_a_lapsed_lease(redis: Redis) -> None:
         await lease.renew()
 
 
+async def test_a_release_drops_only_its_own_lease(redis: Redis) -> None:
+    lease = Lease(redis, "w8")
+    await lease.acquire()
+    await redis.set(keys.lease_key("w8"), "the-next-holder")  # it lapsed and was taken meanwhile
+    await lease.release()
+    assert await redis.get(keys.lease_key("w8")) == b"the-next-holder"
+    await redis.delete(keys.lease_key("w8"))
+    await lease.acquire()
+    await lease.release()
+    assert not await redis.exists(keys.lease_key("w8"))
+
+
 async def test_a_beat_heartbeats_renews_and_names_the_silent_members_and_never_recreates_a_lease(
         redis: Redis) -> None:
     info = await join(redis, "w7")

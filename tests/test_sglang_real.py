@@ -31,6 +31,7 @@ from common.queue import keys
 from tests.conftest import CPU_MODEL_NAME, FIGURES, Stack
 from tests.processes import BackgroundSampler
 from tests.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
+from tests.test_integration import jevcompat
 from worker.engine_client import BranchPrompt, EngineClient, SharedPrefix
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -279,6 +280,32 @@ def test_sglangs_own_systemone_and_openjev_answer_the_same_request(request: pyte
         if only:
             lines.append(f"  {question}: fields in one answer only: {sorted(only)}")
     request.config.stash.setdefault(FIGURES, []).extend(lines)
+
+
+def test_jevcompat_passes_openjev_on_sglang_and_lists_what_sglangs_own_route_fails(
+        request: pytest.FixtureRequest, sglang: SglangServe, tmp_path: Path) -> None:
+    """Issue 31's contract differences: jevcompat (the conformance suite clients are checked against)
+    passes openjev in front of SGLang; on the Python frontend it also runs against SGLang 0.5.23's own
+    /v1/systemone (with the served model's name, which that route requires), and the requirements it
+    fails there go to the run's figures and bench/RESULTS-sglang.md."""
+    ours = jevcompat(sglang.url, "--json", str(tmp_path / "openjev.json"))
+    assert ours.returncode == 0, ours.stdout[-6000:] + ours.stderr[-2000:]
+    lines = [f"SGLang {sglang.frontend}: jevcompat against openjev: {_verdict(tmp_path / 'openjev.json')}"]
+    if sglang.frontend == "python":
+        jevcompat(sglang.engine_url, "--model", CPU_MODEL_NAME, "--no-sdk", "--json", str(tmp_path / "sglang.json"))
+        lines.append(f"SGLang python: jevcompat against SGLang's own route: {_verdict(tmp_path / 'sglang.json')}")
+        report = orjson.loads((tmp_path / "sglang.json").read_bytes())
+        if report.get("aborted"):
+            lines.append(f"  jevcompat stopped early: {report['aborted']}")
+        lines += [f"  fails: {r['level']} {r['id']} {r['title']}" for r in report["results"] if r["status"] == "fail"]
+    request.config.stash.setdefault(FIGURES, []).extend(lines)
+
+
+def _verdict(path: Path) -> str:
+    report = orjson.loads(path.read_bytes())
+    summary = report["summary"]
+    return f"{summary['verdict']}; " + "; ".join(f"{level} {summary[level]['passed']}/{summary[level]['tested']} "
+                                                 f"passed" for level in ("MUST", "SHOULD"))
 
 
 def json_short(value: Any) -> str:

@@ -39,6 +39,13 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS[1] lease; ARGV[1] token. Drops the lease only while this token holds it (a lapsed lease may
+# already be another process's by the time its old holder lets go).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # KEYS: record, the vanished worker's lease, its queue, the target queue; ARGV: arq job id, arq key
 # prefixes (job, in-progress, retry), job id. Moves one placement off a worker whose lease lapsed:
 # -1 not moved (the id is leased again: its restart resumes the job), 0 no longer in that queue,
@@ -97,6 +104,7 @@ class Lease:
         self.key = keys.lease_key(worker_id)
         self.token = secrets.token_hex(8)
         self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
 
     async def acquire(self, patience: float = 4 * LIVENESS_WINDOW) -> None:
         """Wait until no other process holds the lease (a killed predecessor's lapses), then take
@@ -125,8 +133,8 @@ class Lease:
             raise LeaseTaken(f"{self.key} was taken by another process")
 
     async def release(self) -> None:
-        if (await self.redis.get(self.key) or b"").decode() == self.token:
-            await self.redis.delete(self.key)
+        """Let go of the lease, in one step, if this process still holds it."""
+        await self._release(keys=[self.key], args=[self.token])
 
 
 async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
