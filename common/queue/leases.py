@@ -141,7 +141,7 @@ async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
     """What keeps a worker live, in one round trip each heartbeat interval: its heartbeat, its lease's
     renewal and a look for silent members (whose jobs may need moving). Returns the silent members'
     ids; raises as `Lease.renew` does, once the heartbeat has gone out."""
-    async with redis.pipeline(transaction=False) as pipe:
+    async with redis.pipeline(transaction=False) as pipe:  # raw EVALs: see heartbeat_command
         pipe.eval(*heartbeat_command(info))
         pipe.eval(*lease.renew_command())
         pipe.eval(*SILENT_MEMBERS_COMMAND)
@@ -152,7 +152,7 @@ async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
 
 async def resume_own_jobs(redis: Redis, queue: str) -> int:
     """After taking the lease: jobs our predecessor had started become runnable again."""
-    cleared = int(await redis.eval(_RESUME, 1, queue, keys.ARQ_IN_PROGRESS))
+    cleared = int(await redis.register_script(_RESUME)(keys=[queue], args=[keys.ARQ_IN_PROGRESS]))
     if cleared:
         log.info("resuming %d job(s) interrupted on %s", cleared, queue)
     return cleared

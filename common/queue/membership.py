@@ -145,11 +145,13 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (t[1] + t[2] / 1e6 - 
 
 async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
     """Announce `info` as live now (by Redis's clock)."""
-    await redis.eval(*heartbeat_command(info))
+    script, numkeys, *rest = heartbeat_command(info)
+    await redis.register_script(script)(keys=rest[:numkeys], args=rest[numkeys:])
 
 
 def heartbeat_command(info: WorkerInfo) -> tuple[str | int | float, ...]:
-    """The heartbeat as EVAL's arguments, for a pipeline (common/queue/leases.py `beat`)."""
+    """The heartbeat as EVAL's arguments, for a pipeline (common/queue/leases.py `beat`: there a raw
+    EVAL, since redis-py sends SCRIPT EXISTS before every pipeline that holds a registered script)."""
     info.heartbeat_at = time.time()
     routing = {"queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
                "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)}
@@ -176,7 +178,8 @@ async def forget_member(redis: Redis, worker_id: str) -> None:
 async def fleet(redis: Redis) -> list[tuple[WorkerInfo, int]]:
     """Every worker with a fresh heartbeat (healthy engine or not) and its queue length, in one round
     trip. `heartbeat_at` is given on this host's clock: now less the heartbeat's age by Redis's."""
-    flat = await redis.eval(_FLEET, 1, keys.WORKERS, LIVENESS_WINDOW, keys.worker_key(""), keys.queue_name(""))
+    flat = await redis.register_script(_FLEET)(keys=[keys.WORKERS], args=[LIVENESS_WINDOW, keys.worker_key(""),
+                                                                          keys.queue_name("")])
     redis_now, local_now = float(flat[0]), time.time()
     members = []
     for i in range(1, len(flat), 3):
@@ -233,7 +236,7 @@ async def live_workers(redis: Redis) -> list[WorkerInfo]:
 
 async def silent_members(redis: Redis) -> list[str]:
     """Ids still in the set whose heartbeat is older than the liveness window (by Redis's clock)."""
-    return [w.decode() for w in await redis.eval(*SILENT_MEMBERS_COMMAND)]
+    return [w.decode() for w in await redis.register_script(_SILENT)(keys=[keys.WORKERS], args=[LIVENESS_WINDOW])]
 
 
 SILENT_MEMBERS_COMMAND = (_SILENT, 1, keys.WORKERS, LIVENESS_WINDOW)  # EVAL's arguments, for a pipeline
