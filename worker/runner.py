@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from arq import Worker
@@ -67,25 +68,53 @@ class RunAgain(Exception):
     """The engine failed the job (not the request's fault) and the job may still be started again."""
 
 
+@dataclass
+class WorkerState:
+    """What the job function and the worker's hooks share. arq hands its hooks and job functions a
+    dict (`ctx`); this process's state rides in it under "state", beside arq's own per-job entries
+    (`job_id`, `job_try`)."""
+
+    settings: Settings
+    info: WorkerInfo  # what the heartbeat publishes: id, queue, load, counters
+    engine: EngineClient
+    health: EngineHealth
+    slots: BranchSlots
+    running: RunningJobs
+    exit_code: int = 0  # EXIT_ENGINE_DOWN or EXIT_LEASE_LOST once the worker stops for that reason
+    wakeups: WakeUps | None = None  # with OPENJEV_WORKER_WAKEUPS
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # heartbeat, health watch, reaping
+    # Set once arq's worker exists (`worker`) and at its startup (the rest): arq opens the Redis pool.
+    worker: Worker = field(init=False)
+    redis: Redis = field(init=False)
+    store: JobStore = field(init=False)
+    replicas: ReplicaCopy = field(init=False)
+    lease: Lease = field(init=False)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.id
+
+
 async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
     """arq's job function: run one placement of an evaluation job and store how it ended, or, when its
     engine failed it, queue it to run again (common/queue/reruns.py). A placement that is no longer its
     job's (moved, cancelled, expired) is neither run nor stored."""
+    state: WorkerState = ctx["state"]
     arq_job_id: str = ctx["job_id"]
-    store: JobStore = ctx["store"]
+    store = state.store
     # After a failed call, no job starts (and spends one of its MAX_RUNS) until a probe finds the engine
     # answering again; should it be down for good, the worker stops and arq keeps the job queued.
-    await ctx["health"].answering.wait()
-    started = await store.start(arq_job_id, ctx["worker_id"])
+    await state.health.answering.wait()
+    started = await store.start(arq_job_id, state.worker_id)
     if started is None:
         return
     picked_at = time.time()
-    running: RunningJobs = ctx["running"]
+    running = state.running
     job: EvaluationJob | None = None
     try:
         with running.running(arq_job_id):
             job = EvaluationJob.model_validate(payload)
-            outcome = await _outcome(ctx, job, started, picked_at)
+            outcome = await _outcome(state, job, arq_job_id, ctx["job_try"], started, picked_at)
     except asyncio.CancelledError:
         reason = running.stopped_because(arq_job_id)
         if reason is None:
@@ -96,38 +125,40 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
             log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
         return  # either way its ending is not ours to store; arq finishes the placement
     except RunAgain as again:
-        await _run_again(ctx, arq_job_id, started, str(again))
+        await _run_again(state, arq_job_id, started, str(again))
         return  # the job lives on as its next placement; arq finishes this one
     except ValidationError as exc:
         log.error("job %s: unreadable (%s)", arq_job_id, exc)
-        outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", ctx)
+        outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", state)
     outcome.attempts = started.attempts
     give_up_at = time.monotonic() + max(0.0, started.remaining) + STORE_GRACE
     stored = await asyncio.shield(store.store(arq_job_id, outcome, give_up_at))
     if stored:  # the outcome on a replica before arq ends the placement: a failover neither loses nor reruns it
         with contextlib.suppress(RedisError, OSError):
-            await asyncio.shield(ctx["replicas"].wait())
-    ctx["info"].counters.record_ending(outcome.status.value if stored else "refused")
+            await asyncio.shield(state.replicas.wait())
+    state.info.counters.record_ending(outcome.status.value if stored else "refused")
     if job is not None:
         _log_job(job, outcome, stored)  # after the answer went out: logging is not on the caller's path
 
 
-async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, picked_at: float) -> JobOutcome:
+async def _outcome(state: WorkerState, job: EvaluationJob, arq_job_id: str, job_try: int, started: Started,
+                   picked_at: float) -> JobOutcome:
+    """`job_try`: arq's count of this placement's tries (one more each time its worker died under it)."""
     if started.remaining <= 0:
         return _failure(JobStatus.expired, 504, "timeout_error",
-                        "the job's deadline passed before a worker could start it", ctx)
-    if ctx["job_try"] > MAX_ATTEMPTS:
-        log.error("job %s: interrupted %d times; not run again", job.id, ctx["job_try"] - 1)
+                        "the job's deadline passed before a worker could start it", state)
+    if job_try > MAX_ATTEMPTS:
+        log.error("job %s: interrupted %d times; not run again", job.id, job_try - 1)
         return _failure(JobStatus.failed, 500, "api_error",
-                        f"the job was interrupted {ctx['job_try'] - 1} times; it was not run again", ctx)
+                        f"the job was interrupted {job_try - 1} times; it was not run again", state)
     # The job on this host's clock (Redis's clock said how long it waited and how long it has left),
     # under its placement's id, so its engine rids are this placement's own.
-    local = job.model_copy(update={"id": ctx["job_id"], "created_at": picked_at - started.waited,
+    local = job.model_copy(update={"id": arq_job_id, "created_at": picked_at - started.waited,
                                    "deadline_at": picked_at + started.remaining})
-    info: WorkerInfo = ctx["info"]
+    info = state.info
     info.running += 1
     try:
-        outcome = await _run(ctx, local, picked_at, started.attempts)
+        outcome = await _run(state, local, picked_at, started.attempts)
     finally:
         info.running -= 1
     if outcome.status is JobStatus.succeeded:
@@ -137,54 +168,54 @@ async def _outcome(ctx: dict[str, Any], job: EvaluationJob, started: Started, pi
     return outcome
 
 
-async def _run(ctx: dict[str, Any], job: EvaluationJob, picked_at: float, attempt: int) -> JobOutcome:
+async def _run(state: WorkerState, job: EvaluationJob, picked_at: float, attempt: int) -> JobOutcome:
     """Evaluate; every way it can end becomes an outcome (a cancellation still propagates), except an
     engine failure with starts to spare, which raises RunAgain."""
-    counters: WorkerCounters = ctx["info"].counters
-    settings: Settings = ctx["settings"]
-    evaluation = JobEvaluation(job, ctx["engine"], ctx["slots"], settings.branch_max_new_tokens,
+    counters: WorkerCounters = state.info.counters
+    settings = state.settings
+    evaluation = JobEvaluation(job, state.engine, state.slots, settings.branch_max_new_tokens,
                                settings.branch_batch_size)
     try:
         result = await evaluation.run()
     except TimeoutError:
         return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
-                        ctx)
+                        state)
     except EngineUnavailable as exc:
         counters.engine_errors += 1
-        ctx["health"].suspect()  # out of routing until a probe finds the engine healthy again
+        state.health.suspect()  # out of routing until a probe finds the engine healthy again
         if attempt < MAX_RUNS:
             raise RunAgain(str(exc)) from exc
         log.warning("job %s: engine error on attempt %d of %d; not run again: %s", job.id, attempt, MAX_RUNS, exc)
         message = f"{exc} (attempt {attempt} of {MAX_RUNS})"
         if isinstance(exc, EngineAborted):
-            return _failure(JobStatus.failed, 503, "engine_aborted", message, ctx)
-        return _failure(JobStatus.failed, 502, "engine_error", message, ctx)
+            return _failure(JobStatus.failed, 503, "engine_aborted", message, state)
+        return _failure(JobStatus.failed, 502, "engine_error", message, state)
     except EngineError as exc:  # the request refused (a 4xx) or an answer not to be trusted: it would fail again
         counters.engine_errors += 1
         log.warning("job %s: engine error: %s", job.id, exc)
-        return _failure(JobStatus.failed, 502, "engine_error", str(exc), ctx)
+        return _failure(JobStatus.failed, 502, "engine_error", str(exc), state)
     finally:
         counters.aborts_sent += evaluation.aborts_sent
     counters.record_job(result.warm_call, result.branch_calls, result.call_sizes)
     return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
                       cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
-                      worker_id=ctx["worker_id"])
+                      worker_id=state.worker_id)
 
 
-async def _run_again(ctx: dict[str, Any], arq_job_id: str, started: Started, reason: str) -> None:
+async def _run_again(state: WorkerState, arq_job_id: str, started: Started, reason: str) -> None:
     """After a pause (RERUN_DELAYS), queue the job to run again. Should this worker stop meanwhile, or
     Redis be unreachable, arq keeps this placement queued for a restart of this worker (or a live worker
     moves it) once this one stops."""
     await asyncio.sleep(RERUN_DELAYS[min(started.attempts, len(RERUN_DELAYS)) - 1])
     try:
-        rerun = await asyncio.shield(run_again(ctx["redis"], arq_job_id, ctx["worker_id"],
-                                               f"{ctx['worker_id']}: {reason}"))
+        rerun = await asyncio.shield(run_again(state.redis, arq_job_id, state.worker_id,
+                                               f"{state.worker_id}: {reason}"))
     except (RedisError, OSError) as exc:
         log.error("job %s: its engine failed and it could not be queued again (%r)", keys.job_of(arq_job_id), exc)
         return
     if rerun is None:
         return  # it ended, was cancelled or moved meanwhile
-    ctx["info"].counters.jobs_rerun += 1
+    state.info.counters.jobs_rerun += 1
     where = "here, once its engine answers" if rerun.own else f"on {rerun.queue}"
     log.warning("job %s: engine failed attempt %d (%s); runs again %s", keys.job_of(arq_job_id),
                 started.attempts, reason, where,
@@ -208,89 +239,87 @@ def _moving_average(previous: float, sample: float, weight: float = 0.2) -> floa
     return sample if previous == 0 else (1 - weight) * previous + weight * sample
 
 
-def _failure(status: JobStatus, http_status: int, error_type: str, message: str, ctx: dict[str, Any]) -> JobOutcome:
+def _failure(status: JobStatus, http_status: int, error_type: str, message: str, state: WorkerState) -> JobOutcome:
     return JobOutcome(status=status, error={"error_type": error_type, "message": message}, http_status=http_status,
-                      worker_id=ctx["worker_id"])
+                      worker_id=state.worker_id)
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
-    settings: Settings = ctx["settings"]
-    info: WorkerInfo = ctx["info"]
-    redis: Redis = ctx["redis"]
-    ctx["store"] = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
-    ctx["replicas"] = ReplicaCopy(redis)
-    ctx["lease"] = lease = Lease(redis, info.id)
+    state: WorkerState = ctx["state"]
+    settings, info = state.settings, state.info
+    state.redis = redis = ctx["redis"]  # arq's pool, opened by arq before this hook
+    state.store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
+    state.replicas = ReplicaCopy(redis)
+    state.lease = lease = Lease(redis, info.id)
     await lease.acquire()
     await resume_own_jobs(redis, info.queue)
-    health: EngineHealth = ctx["health"]
+    health = state.health
     await health.probe()  # never announce an engine nobody has checked
     info.engine_ok = health.routable
     if settings.worker_wakeups:
-        ctx["wakeups"] = wakeups = WakeUps(redis, info.queue, ctx["worker"], ctx["running"])
-        await wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
+        state.wakeups = WakeUps(redis, info.queue, state.worker, state.running)
+        await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
     await heartbeat(redis, info)
-    ctx["health_watch"] = asyncio.create_task(health.watch())
-    ctx["heartbeat"] = asyncio.create_task(_keep_alive(ctx))
+    state.tasks["health_watch"] = asyncio.create_task(health.watch())
+    state.tasks["heartbeat"] = asyncio.create_task(_keep_alive(state))
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    for name in ("heartbeat", "reaping", "health_watch"):
-        task = ctx.get(name)
-        if task:
-            task.cancel()
-    if "wakeups" in ctx:
-        await ctx["wakeups"].close()
+    state: WorkerState = ctx["state"]
+    for task in state.tasks.values():
+        task.cancel()
+    if state.wakeups is not None:
+        await state.wakeups.close()
     with contextlib.suppress(RedisError, OSError):
         # Jobs left in the queue (waiting, or interrupted by this shutdown, which arq keeps queued)
         # stay ours until the lease lapses: a restart with this id resumes them, otherwise a live
         # worker moves them. Only an empty queue lets the worker leave at once.
-        left_behind = await ctx["redis"].zcard(ctx["info"].queue)
-        await leave(ctx["redis"], ctx["info"].id, keep_membership=bool(left_behind))
+        left_behind = await state.redis.zcard(state.info.queue)
+        await leave(state.redis, state.info.id, keep_membership=bool(left_behind))
         if not left_behind:
-            await ctx["lease"].release()
-    await ctx["engine"].close()
-    await ctx["health"].close()
+            await state.lease.release()
+    await state.engine.close()
+    await state.health.close()
 
 
-async def _keep_alive(ctx: dict[str, Any]) -> None:
+async def _keep_alive(state: WorkerState) -> None:
     """Every heartbeat interval, one beat (common/queue/leases.py `beat`: one round trip): the
     heartbeat with the engine's last known health (probed on its own schedule, so a slow probe never
     delays a beat), the lease's renewal, and a look for vanished workers, whose jobs are moved in the
     background. Every second while jobs run, so the load the API routes by stays fresh; every two at
     rest, where nothing but liveness changes. Stops the worker when its engine is down or another
     process holds its lease."""
-    health: EngineHealth = ctx["health"]
-    info: WorkerInfo = ctx["info"]
+    health, info = state.health, state.info
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
         try:
-            await _beat(ctx)
+            await _beat(state)
         except LeaseTaken as exc:
             log.error("%s; worker %s stops", exc, info.id)
-            ctx["exit_code"] = EXIT_LEASE_LOST
-            ctx["worker"].handle_sig(15)
+            state.exit_code = EXIT_LEASE_LOST
+            state.worker.handle_sig(15)
             return
         except (RedisError, OSError) as exc:  # a Redis blip must not end the loop; a long one lapses the lease
             log.warning("heartbeat failed: %r", exc)
         if health.down.is_set():
-            log.error("engine at %s is down; worker %s stops", ctx["settings"].engine_url, info.id)
-            ctx["exit_code"] = EXIT_ENGINE_DOWN
-            ctx["worker"].handle_sig(15)
+            log.error("engine at %s is down; worker %s stops", state.settings.engine_url, info.id)
+            state.exit_code = EXIT_ENGINE_DOWN
+            state.worker.handle_sig(15)
             return
 
 
-async def _beat(ctx: dict[str, Any]) -> None:
-    info: WorkerInfo = ctx["info"]
+async def _beat(state: WorkerState) -> None:
+    info = state.info
     try:
-        silent = await beat(ctx["redis"], info, ctx["lease"])
+        silent = await beat(state.redis, info, state.lease)
     except LeaseLapsed:
-        await take_back(ctx["lease"], ctx["running"], ctx["store"])  # raises LeaseTaken if it is not ours now
+        await take_back(state.lease, state.running, state.store)  # raises LeaseTaken if it is not ours now
         return
-    reaping: asyncio.Task[None] | None = ctx.get("reaping")
+    reaping = state.tasks.get("reaping")
     if silent and info.engine_ok and (reaping is None or reaping.done()):
-        ctx["reaping"] = asyncio.create_task(_reap(ctx["redis"]))  # a long move must not delay the next beat
+        state.tasks["reaping"] = asyncio.create_task(_reap(state.redis))  # a long move must not delay the next beat
 
 
 async def _reap(redis: Redis) -> None:
@@ -308,19 +337,18 @@ def build_worker(settings: Settings) -> Worker:
     engine = EngineClient(settings.engine_url, backend_key, max_connections=settings.max_concurrent_branches + 8,
                           warm_token_ids_logprob=needs_warm_label_logprobs(settings.sglang_version),
                           max_answer_bytes=settings.engine_max_answer_bytes, call_limit=settings.engine_call_limit)
-    ctx: dict[str, Any] = {
-        "settings": settings,
-        "worker_id": worker_id,
-        "engine": engine,
-        "health": EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
-                                                                 timeout=settings.engine_health_timeout),
-                               last_seen_working=lambda: engine.last_seen_working),
-        "slots": BranchSlots(settings.max_concurrent_branches),
-        "running": RunningJobs(),
-        "info": WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
-                           max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
-                           started_at=time.time()),
-    }
+    state = WorkerState(
+        settings=settings,
+        info=WorkerInfo(id=worker_id, queue=queue, model=settings.served_model_name,
+                        max_jobs=settings.max_concurrent_requests, max_branches=settings.max_concurrent_branches,
+                        started_at=time.time()),
+        engine=engine,
+        health=EngineHealth(settings.engine_url, HealthPolicy(interval=settings.engine_health_interval,
+                                                              timeout=settings.engine_health_timeout),
+                            last_seen_working=lambda: engine.last_seen_working),
+        slots=BranchSlots(settings.max_concurrent_branches),
+        running=RunningJobs(),
+    )
     worker = Worker(
         functions=[func(evaluate, name=keys.JOB_FUNCTION)],
         queue_name=queue,
@@ -337,17 +365,17 @@ def build_worker(settings: Settings) -> Worker:
         job_deserializer=deserialize,
         on_startup=_startup,
         on_shutdown=_shutdown,
-        ctx=ctx,
+        ctx={"state": state},
     )
-    ctx["worker"] = worker
-    worker.on_stop = lambda _signal: _stop_wakeups(ctx)
+    state.worker = worker
+    worker.on_stop = lambda _signal: _stop_wakeups(state)
     return worker
 
 
-def _stop_wakeups(ctx: dict[str, Any]) -> None:
+def _stop_wakeups(state: WorkerState) -> None:
     """The worker is stopping: no wake-up may start a job that arq's shutdown would then wait for."""
-    if "wakeups" in ctx:
-        ctx["wakeups"].stop()
+    if state.wakeups is not None:
+        state.wakeups.stop()
 
 
 def _redis(settings: Settings) -> ArqRedis:
@@ -361,4 +389,5 @@ def run_worker(settings: Settings) -> int:
     """Run a worker until a signal or its engine goes away; the exit status says which."""
     worker = build_worker(settings)
     worker.run()
-    return int(worker.ctx.get("exit_code", 0))
+    state: WorkerState = worker.ctx["state"]
+    return state.exit_code
