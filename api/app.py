@@ -19,7 +19,7 @@ from api.metrics import ApiMetrics
 from api.middleware import BodyGate, RequestContext
 from api.openapi import install_openapi
 from api.preparation import JobPreparer
-from api.queue import CompletionWaiter, JobQueue
+from api.queue_client import CompletionWaiter, JobQueue
 from api.routes import router
 from common.prompt import PromptCompiler
 from common.queue.records import JobStore

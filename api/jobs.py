@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
-from api.queue import admission_of
+from api.queue_client import admission_of
 from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest, echo
 from common.jobs import JobStatus, Lane
 from common.queue.placement import IdempotencyClaim

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
-from api.queue import admission_of
+from api.queue_client import admission_of
 from common.contract import EXAMPLE_REQUEST, ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane
 from common.queue.placement import Admission

@@ -1,5 +1,5 @@
 """How often Redis acknowledges a write before it is in its append-only file, and what waiting for
-the file costs an async job's 202 (`api.queue.AppendOnlyFile`).
+the file costs an async job's 202 (`api.queue_client.AppendOnlyFile`).
 
 With `appendfsync everysec`, Redis postpones writing to the file (by up to 2 s) while its background
 fsync of the previous second runs, and replies anyway; a crash of Redis then loses the acknowledged
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import redis.asyncio
 
-from api.queue import AppendOnlyFile
+from api.queue_client import AppendOnlyFile
 from bench.queue_latency import percentile
 from openjev.embedded_redis import RedisServer
 

@@ -31,7 +31,7 @@ import httpx
 from arq.connections import ArqRedis
 
 from api.preparation import JobPreparer
-from api.queue import CompletionWaiter, JobQueue
+from api.queue_client import CompletionWaiter, JobQueue
 from common.contract import SystemOneRequest
 from common.prompt import PromptCompiler
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL, WorkerCounters, live_workers

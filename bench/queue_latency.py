@@ -30,7 +30,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from api.preparation import JobPreparer
-from api.queue import CompletionWaiter, JobQueue
+from api.queue_client import CompletionWaiter, JobQueue
 from bench.awake import awake_cores
 from bench.cpu_cost import cpu_seconds
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest

@@ -26,7 +26,7 @@ START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which gro
 
 # What every Redis the project starts or describes runs with (compose.yaml says the same): writes
 # reach the append-only file before their reply goes out (unless a background fsync is running: then
-# Redis postpones them, by up to 2 s, and an async job's 202 waits: api.queue.AppendOnlyFile) and are
+# Redis postpones them, by up to 2 s, and an async job's 202 waits: api.queue_client.AppendOnlyFile) and are
 # fsynced every second; `always` would cost ~4 ms a request
 # (bench/RESULTS-durability.md). Memory is never freed by evicting keys (a job must not vanish); no RDB
 # snapshots (the AOF is the copy).

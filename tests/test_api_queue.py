@@ -1,4 +1,4 @@
-"""The API's wait for a sync job (api/queue.py `JobQueue.run`) over a real Redis: the outcome comes
+"""The API's wait for a sync job (api/queue_client.py `JobQueue.run`) over a real Redis: the outcome comes
 from the completion notice, without reading the record back, and the record is dropped after; a
 request whose notice never arrives still gets its outcome from the record."""
 
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 from arq.connections import ArqRedis, RedisSettings, create_pool
 
-from api.queue import CompletionWaiter, JobQueue
+from api.queue_client import CompletionWaiter, JobQueue
 from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
 from common.queue import keys
 from common.queue.membership import WorkerInfo, heartbeat

@@ -23,7 +23,7 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from api.queue import AppendOnlyFile
+from api.queue_client import AppendOnlyFile
 from bench.aof_window import in_file, start_stress
 from common.queue import keys
 from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
