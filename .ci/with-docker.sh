@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs "$@" with a private Docker daemon answering on DOCKER_HOST, so that the tests start their
-# Redis servers with testcontainers (tests/redis_servers.py) instead of the local binary.
+# Redis servers with testcontainers (harness/redis_servers.py) instead of the local binary.
 #
 # No image registry is reachable from CI: the Redis image is imported from Debian's Redis binary
 # and the libraries it links. The daemon changes no firewall rule and no sysctl

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,22 +29,11 @@ import redis.asyncio
 
 from api.queue_client import AppendOnlyFile
 from bench.queue_latency import percentile
+from harness.aof import in_file, start_stress
 from openjev.embedded_redis import RedisServer
 
 ROUNDS = 10  # per way, alternating, so drift in the disk's load hits both alike
 VALUE = b"x" * 2048  # about a job's payload and record
-STRESS_MB = 64  # written and fsynced over and over by the stress process
-
-
-def in_file(data_dir: Path, key: bytes) -> bool:
-    """Whether `key` is in the append-only file (Redis 6's one file, or 7's directory of them)."""
-    return any(key in path.read_bytes() for path in data_dir.rglob("*.aof"))
-
-
-def start_stress(directory: Path) -> subprocess.Popen[bytes]:
-    script = (f"while true; do dd if=/dev/zero of={directory / 'stress'} bs=1M count={STRESS_MB} conv=fsync "
-              "status=none; done")
-    return subprocess.Popen(["bash", "-c", script], start_new_session=True)
 
 
 async def one_round(client: redis.asyncio.Redis, written: AppendOnlyFile, data_dir: Path, way: str,

@@ -34,9 +34,9 @@ import orjson
 from redis.asyncio import Redis
 
 from common.queue import keys
+from harness.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http
+from harness.stacks import model_cache_dir, stack_env
 from openjev.embedded_redis import free_port, start_redis
-from tests.conftest import model_cache_dir, stack_env
-from tests.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http
 
 REQUEST_TIMEOUT = 20.0  # the sync deadline: long enough to outlast a worker restart (lease ≤ 5 s)
 JOB_TIMEOUT = 30.0

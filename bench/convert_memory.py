@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.conftest import model_cache_dir
+from harness.stacks import model_cache_dir
 
 # Each child converts into a fresh directory, then prints its peak RSS (KiB on Linux) and its seconds.
 CHILD = """

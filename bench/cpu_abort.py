@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from tests.conftest import model_cache_dir
-from tests.processes import start_cpu_engine
+from harness.processes import start_cpu_engine
+from harness.stacks import model_cache_dir
 from worker.cpu_engine.model import ensure_converted
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import subprocess
@@ -38,12 +37,12 @@ import httpx
 
 from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST
+from harness.procfs import cpu_seconds, run_seconds, wakeups
+from harness.stacks import model_cache_dir
 from openjev.embedded_redis import free_port, start_redis
-from tests.conftest import model_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASELINE = "3c3aab0"  # main before batched branch calls (2026-12-01)
-TICKS = os.sysconf("SC_CLK_TCK")
 MEASURED = ("api", "worker", "redis")
 RETRIES_503 = 20
 retried_503: dict[str, int] = {}  # per stack URL: requests answered 503 and sent again
@@ -89,12 +88,6 @@ class Sample:
         return sum(self.cpu_ms.values())
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def spawn(root: Path, log_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start a process with `root` first on its import path (python -m imports from the working directory)."""
     log = (log_dir / f"{name}.log").open("wb")
@@ -128,7 +121,7 @@ def running_stack(stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stac
                 client.config_set("hz", stack.redis_hz)
         engine_port, api_port = free_port(), free_port()
         engine = spawn(ROOT, log_dir, f"{stack.name}-engine",
-                       [sys.executable, "-m", "tests.scripted_engine", "--port", str(engine_port)], {})
+                       [sys.executable, "-m", "harness.scripted_engine", "--port", str(engine_port)], {})
         processes.append(engine)
         wait_ready(f"http://127.0.0.1:{engine_port}/health", engine)
         env = {"OPENJEV_REDIS_URL": redis_url, "OPENJEV_TOKENIZER": str(model_dir),
@@ -218,26 +211,6 @@ def measure(stack: Stack, scenario: Scenario) -> Sample:
     calls = (engine_calls(stack) - calls_before) / scenario.requests
     commands = (redis_commands(stack) - commands_before - 1) / scenario.requests  # less the INFO before
     return Sample(cpu, scenario.requests / wall, calls, commands)
-
-
-def run_seconds(pid: int) -> float:
-    """Time a process's live threads have spent on a CPU so far, to the nanosecond (/proc/PID/task/*/schedstat):
-    finer than /proc/PID/stat's 10 ms ticks for the few CPU-ms a process at rest uses."""
-    total = 0
-    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            total += int(schedstat.read_text().split()[0])
-    return total / 1e9
-
-
-def wakeups(pid: int) -> int:
-    """How often a process's threads have slept and been woken so far (voluntary context switches)."""
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
-                         if line.startswith("voluntary_ctxt_switches:"))
-    return total
 
 
 def at_rest(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], dict[str, float]]:

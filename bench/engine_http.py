@@ -90,7 +90,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "tests.scripted_engine", "--port", str(port)],
+    engine = subprocess.Popen([sys.executable, "-m", "harness.scripted_engine", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -26,9 +26,9 @@ import httpx
 from redis.asyncio import Redis
 
 from common.queue import keys
-from tests.conftest import build_stack
-from tests.processes import start_scripted_engine
-from tests.redis_servers import fresh_redis
+from harness.processes import start_scripted_engine
+from harness.redis_servers import fresh_redis
+from harness.stacks import build_stack
 
 KEYS = {"interactive": "bench-interactive-key-0001", "batch": "bench-batch-key-000000001",
         "other": "bench-other-key-000000001", "limited": "bench-limited-key-0000001"}
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--sync", type=int, default=80, help="sync requests per latency phase")
     parser.add_argument("--delay", type=float, default=0.2, help="seconds the scripted engine takes per call")
     args = parser.parse_args()
-    from tests.conftest import model_cache_dir
+    from harness.stacks import model_cache_dir
     from worker.cpu_engine.model import ensure_converted
 
     model_dir = ensure_converted(model_cache_dir())

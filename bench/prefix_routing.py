@@ -40,9 +40,9 @@ from common.redis_connection import redis_connection
 from common.routing import prefix_key, rank_workers
 from common.settings import RoutingPolicy, Settings
 from common.tokenizer import load_tokenizer
+from harness.processes import Proc, start_cpu_engine, start_scripted_engine, start_worker
+from harness.stacks import model_cache_dir, stack_env
 from openjev.embedded_redis import start_redis
-from tests.conftest import model_cache_dir, stack_env
-from tests.processes import Proc, start_cpu_engine, start_scripted_engine, start_worker
 
 TEAMS = {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
          "Sales": "Pricing, upgrades"}

@@ -32,7 +32,6 @@ from redis.asyncio import Redis
 from api.preparation import JobPreparer
 from api.queue_client import CompletionWaiter, JobQueue
 from bench.awake import awake_cores
-from bench.cpu_cost import cpu_seconds
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.prompt import PromptCompiler
 from common.queue import keys
@@ -41,9 +40,10 @@ from common.queue.records import JobStore
 from common.redis_connection import redis_connection
 from common.settings import Settings
 from common.tokenizer import load_tokenizer
+from harness.processes import start_cpu_engine, start_scripted_engine, start_worker
+from harness.procfs import cpu_seconds
+from harness.stacks import model_cache_dir
 from openjev.embedded_redis import start_redis
-from tests.conftest import model_cache_dir
-from tests.processes import start_cpu_engine, start_scripted_engine, start_worker
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineClient
 from worker.evaluation import JobEvaluation

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 import redis
 
-from bench.cpu_cost import cpu_seconds
 from bench.queue_latency import percentile
 from common.contract import EXAMPLE_REQUEST
+from harness.processes import start_api, start_scripted_engine, start_worker
+from harness.procfs import cpu_seconds
+from harness.stacks import model_cache_dir, stack_env
 from openjev.embedded_redis import RedisServer
-from tests.conftest import model_cache_dir, stack_env
-from tests.processes import start_api, start_scripted_engine, start_worker
 
 ROUNDS = 4  # per setting and concurrency, alternating, so drift in machine load hits both alike
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common.queue.replication import ReplicaCopy
 from common.redis_connection import redis_connection
-from tests.test_sentinel_failover import SentinelGroup, settings_for
+from harness.sentinels import SentinelGroup, settings_for
 
 
 async def timed_writes(group: SentinelGroup, writes: int) -> list[float]:

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from common.contract import EXAMPLE_REQUEST
+from harness.sglang_serve import start_sglang_serve, stop_sglang_serve
+from harness.stacks import CPU_MODEL_NAME, model_cache_dir
 from openjev.embedded_redis import free_port
-from tests.conftest import CPU_MODEL_NAME, model_cache_dir
-from tests.sglang_serve import start_sglang_serve, stop_sglang_serve
 from worker.cpu_engine.model import ensure_converted
 
 

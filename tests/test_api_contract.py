@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from common.contract import EXAMPLE_REQUEST
-from tests.conftest import Stack
-from tests.processes import start_api
+from harness.processes import start_api
+from harness.stacks import Stack
 
 NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?"}
 CHOICE = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "Payments", "Technical": None}}

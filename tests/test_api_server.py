@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.cpu_cost import wakeups
-from tests.conftest import Stack, stack_env
-from tests.processes import Proc, start_api
-from tests.redis_servers import fresh_redis
+from harness.processes import Proc, start_api
+from harness.procfs import wakeups
+from harness.redis_servers import fresh_redis
+from harness.stacks import Stack, stack_env
 
 AT_REST_SECONDS = 3.0
 

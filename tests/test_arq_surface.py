@@ -13,7 +13,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [p for d in ("api", "common", "worker", "openjev", "bench", "tests") for p in (ROOT / d).rglob("*.py")]
+SOURCES = [p for d in ("api", "common", "worker", "openjev", "bench", "tests", "harness")
+           for p in (ROOT / d).rglob("*.py")]
 
 
 def arq_names(tree: ast.Module) -> set[str]:

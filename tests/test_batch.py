@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import ROOT
+from harness.stacks import Stack
 from openjev.batch import BatchOptions, retry_after, run_batch
-from tests.conftest import Stack
-from tests.processes import ROOT
 
 QUESTIONS = {
     "refund": {"type": "noul", "instructions": "Is the customer asking for money back?"},

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.processes import start_cpu_engine
+from harness.stacks import Stack, build_stack, model_cache_dir
 from openjev.embedded_redis import start_redis
-from tests.conftest import FIGURES, Stack, build_stack, model_cache_dir
-from tests.processes import start_cpu_engine
+from tests.conftest import FIGURES
 from tests.test_integration import EXTRA, QUESTIONS, TICKET, numbers
 
 pytestmark = pytest.mark.integration

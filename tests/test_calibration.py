@@ -24,8 +24,8 @@ from common.calibration import (
     fit_temperature,
     question_key,
 )
-from tests.conftest import Stack
-from tests.processes import start_api
+from harness.processes import start_api
+from harness.stacks import Stack
 
 
 def softmax(logits: list[float]) -> list[float]:

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
-from tests.conftest import Stack, build_stack, isolated_scripted_stack, model_cache_dir
-from tests.processes import start_cpu_engine
+from harness.processes import start_cpu_engine
+from harness.stacks import Stack, build_stack, isolated_scripted_stack, model_cache_dir
 from tests.test_api_contract import NOUL, body
 
 THREE = {"a": NOUL, "b": NOUL, "c": NOUL}

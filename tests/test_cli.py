@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from common.calibration import Calibration
+from harness.processes import ROOT
 from openjev.cli import _parser
-from tests.processes import ROOT
 
 
 def openjev(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.conftest import Stack
+from harness.stacks import Stack
 
 STATE = "Hi, I was charged twice for my March invoice and I'd like the duplicate refunded."
 PINNED = "jev-1.13.0"

@@ -21,8 +21,8 @@ import redis
 import yaml
 
 from common.settings import Frontend, Settings
+from harness.processes import ROOT
 from openjev.embedded_redis import find_redis_server, free_port
-from tests.processes import ROOT
 from worker.cpu_engine.model import default_tokenizer_dir
 from worker.sglang_launcher import sglang_command
 

@@ -19,10 +19,10 @@ import pytest
 from docker.errors import ImageNotFound
 from testcontainers.core.docker_client import DockerClient
 
+from harness.processes import ROOT
+from harness.redis_servers import docker_answers
+from harness.stacks import Stack
 from openjev.embedded_redis import free_port
-from tests.conftest import Stack
-from tests.processes import ROOT
-from tests.redis_servers import docker_answers
 
 PROFILE_IMAGES = ("openjev:0.1.0", "openjev-cpu-engine:0.1.0")
 # Where no registry is reachable, .ci/compose-images.sh builds this in place of compose's redis image.

@@ -13,7 +13,7 @@ import zstandard
 
 from common.prompt import state_messages
 from common.settings import Settings
-from tests.conftest import Stack
+from harness.stacks import Stack
 
 NOUL = {"type": "noul", "instructions": "Refund?"}
 

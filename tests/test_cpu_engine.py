@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
+from harness.processes import Proc, spawn
 from openjev.embedded_redis import free_port
-from tests.processes import Proc, spawn
 from worker.cpu_engine import model as engine_model
 from worker.cpu_engine.prefix_cache import PrefixCache
 

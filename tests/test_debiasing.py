@@ -13,7 +13,7 @@ from common.prompt import PromptCompiler, rotation_orders
 from common.scoring import question_answers
 from common.settings import ConfidenceMode
 from common.tokenizer import smollm2_tokenizer
-from tests.conftest import Stack
+from harness.stacks import Stack
 
 TEAMS = {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
          "Sales": "Pricing, upgrades, new contracts", "Legal": "Contracts, privacy, compliance"}

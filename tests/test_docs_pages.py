@@ -13,7 +13,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Response, Route, expect, sync_playwright
 
-from tests.conftest import Stack
+from harness.stacks import Stack
 
 CHROMIUM = shutil.which("chromium")
 CHROMIUM_FLAGS = [

@@ -24,11 +24,11 @@ import redis
 from redis.asyncio import Redis as AsyncRedis
 
 from api.queue_client import AppendOnlyFile
-from bench.aof_window import in_file, start_stress
 from common.queue import keys
+from harness.aof import in_file, start_stress
+from harness.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.stacks import CPU_MODEL_NAME, stack_env
 from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
-from tests.conftest import CPU_MODEL_NAME, stack_env
-from tests.processes import Proc, start_api, start_scripted_engine, start_worker
 from tests.test_api_contract import NOUL, body
 from tests.test_faults import Served, descendants, start_serve, stop_serve
 

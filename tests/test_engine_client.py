@@ -16,8 +16,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from harness.processes import Proc, start_scripted_engine
 from openjev.embedded_redis import free_port
-from tests.processes import Proc, start_scripted_engine
 from worker.engine_client import BranchPrompt, EngineAborted, EngineClient, EngineError, GenerateResult, SharedPrefix
 
 CAPTURED = Path(__file__).parent / "data" / "sglang-0.5.23-cpu"

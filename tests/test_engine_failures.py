@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from common.queue import keys
-from tests.conftest import Stack, isolated_scripted_stack, stack_env
-from tests.processes import Proc, start_api, start_scripted_engine, start_worker
-from tests.redis_servers import fresh_redis
+from harness.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.redis_servers import fresh_redis
+from harness.stacks import Stack, isolated_scripted_stack, stack_env
 from worker.runner import MAX_RUNS
 
 pytestmark = pytest.mark.integration

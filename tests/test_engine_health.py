@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from common.queue import keys
-from tests.conftest import Stack, isolated_scripted_stack
-from tests.processes import start_scripted_engine
+from harness.processes import start_scripted_engine
+from harness.stacks import Stack, isolated_scripted_stack
 from worker.engine_health import EngineHealth, HealthPolicy, Probe
 
 FAST = HealthPolicy(interval=0.1, timeout=0.5)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from common.contract import EXAMPLE_REQUEST
-from tests.conftest import Stack, build_stack
-from tests.processes import start_scripted_engine
-from tests.scripted_engine import BAD_ANSWERS
+from harness.processes import start_scripted_engine
+from harness.scripted_engine import BAD_ANSWERS
+from harness.stacks import Stack, build_stack
 
 ONE_QUESTION = {"model": "jev-latest", "state": "I was charged twice.",
                 "questions": {"refund": {"type": "noul", "instructions": "Is the customer asking for money back?"}}}

@@ -22,9 +22,7 @@ import pytest
 import redis
 
 from common.queue import keys
-from openjev.embedded_redis import RedisServer, free_port
-from tests.conftest import model_cache_dir, stack_env
-from tests.processes import (
+from harness.processes import (
     BackgroundSampler,
     Proc,
     alive,
@@ -34,6 +32,8 @@ from tests.processes import (
     start_worker,
     wait_http,
 )
+from harness.stacks import model_cache_dir, stack_env
+from openjev.embedded_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
 

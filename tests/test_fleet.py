@@ -26,8 +26,8 @@ from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW, RESTING_HEARTBEAT_INTERVAL
 from common.routing import rank_workers
 from common.settings import Settings
-from tests.conftest import stack_env
-from tests.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.stacks import stack_env
 
 WORKER_IDS = ["f0", "f1", "f2"]
 QUESTIONS = {

@@ -14,8 +14,8 @@ from contextlib import closing
 import httpx
 import pytest
 
-from tests.conftest import Stack
-from tests.processes import Proc, start_api
+from harness.processes import Proc, start_api
+from harness.stacks import Stack
 
 LIMITS = {"OPENJEV_MAX_HEADER_BYTES": "4096", "OPENJEV_HEADER_TIMEOUT": "2", "OPENJEV_BODY_TIMEOUT": "3",
           "OPENJEV_KEEP_ALIVE_TIMEOUT": "1", "OPENJEV_MAX_CONNECTIONS": "6"}

@@ -12,7 +12,7 @@ import redis
 
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW, RESTING_HEARTBEAT_INTERVAL
-from tests.conftest import isolated_scripted_stack
+from harness.stacks import isolated_scripted_stack
 from tests.test_api_contract import NOUL, body
 
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from common.contract import EXAMPLE_REQUEST
-from tests.conftest import Stack
-from tests.processes import start_api
+from harness.processes import start_api
+from harness.stacks import Stack
 
 TICKET = ("Hi, I was charged twice for my March invoice and the refund I was promised still hasn't arrived. "
           "Please fix this today.")

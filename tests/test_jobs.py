@@ -13,7 +13,7 @@ from redis import Redis
 from common.jobs import JobIds
 from common.queue import keys
 from common.settings import Settings
-from tests.conftest import Stack
+from harness.stacks import Stack
 from tests.test_api_contract import INVALID, NOUL, SCORE, body
 
 

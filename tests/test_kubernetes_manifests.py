@@ -18,7 +18,7 @@ import yaml
 from kubernetes_validate.utils import validate
 
 from common.settings import Frontend, Settings
-from tests.processes import ROOT
+from harness.processes import ROOT
 from worker.sglang_launcher import sglang_command
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"

@@ -7,7 +7,7 @@ import logging
 import time
 
 from common.logs import JsonFormatter
-from tests.conftest import Stack
+from harness.stacks import Stack
 from tests.test_api_contract import NOUL
 
 

@@ -11,8 +11,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
-from tests.conftest import Stack
-from tests.processes import start_api
+from harness.processes import start_api
+from harness.stacks import Stack
 from tests.test_api_contract import NOUL, SCORE, body
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from common.settings import Settings
-from tests.processes import ROOT
+from harness.processes import ROOT
 
 modal = pytest.importorskip("modal", reason="the Modal client is a dev dependency")
 import modal_app  # noqa: E402  (needs modal, checked just above)

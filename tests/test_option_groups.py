@@ -21,8 +21,8 @@ from common.prompt import PromptCompiler
 from common.scoring import final_round_branches, grouped_distribution, label_distribution, question_answers
 from common.settings import ConfidenceMode, Settings
 from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
+from harness.stacks import Stack, isolated_scripted_stack
 from openjev.smoke import REFUND_STATE, many_options
-from tests.conftest import Stack, isolated_scripted_stack
 
 INSTRUCTIONS = "Which team should handle this message?"
 

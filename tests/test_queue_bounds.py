@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from common.queue import keys
-from tests.conftest import Stack, isolated_scripted_stack
+from harness.stacks import Stack, isolated_scripted_stack
 from tests.test_api_contract import NOUL, SCORE, body
 from tests.test_metrics import samples
 

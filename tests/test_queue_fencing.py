@@ -18,9 +18,9 @@ import redis
 
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
-from tests.conftest import Stack, build_stack
-from tests.processes import start_scripted_engine, start_worker
-from tests.redis_servers import fresh_redis
+from harness.processes import start_scripted_engine, start_worker
+from harness.redis_servers import fresh_redis
+from harness.stacks import Stack, build_stack
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration

@@ -10,15 +10,15 @@ import sys
 import pytest
 import redis
 
-from tests.processes import ROOT
-from tests.redis_servers import REQUIRE_DOCKER, docker_answers, fresh_redis
+from harness.processes import ROOT
+from harness.redis_servers import REQUIRE_DOCKER, docker_answers, fresh_redis
 
 NO_DAEMON = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
 
 # Runs in a child so that its environment decides, not this process's cached answer.
 WHICH_SERVER = """
 import redis
-from tests.redis_servers import fresh_redis
+from harness.redis_servers import fresh_redis
 with fresh_redis() as url:
     print(redis.Redis.from_url(url).info("server")["executable"])
 """

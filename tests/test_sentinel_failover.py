@@ -9,9 +9,7 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,116 +25,17 @@ from common.queue import keys
 from common.queue.replication import ReplicaCopy
 from common.redis_connection import redis_connection
 from common.settings import Settings
-from openjev.embedded_redis import PERSISTENCE_ARGS, find_redis_server, free_port
-from tests.conftest import stack_env
-from tests.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.processes import Proc, start_api, start_scripted_engine, start_worker
+from harness.sentinels import SentinelGroup, settings_for
+from harness.stacks import stack_env
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration
 
-MASTER_NAME = "openjev"
 JOBS = 30
 RUNNING_AT_ONCE = 4  # the worker's slots: the rest of the jobs wait in its queue
 ENGINE_DELAY = 1.0  # seconds each engine call stalls: at the kill, jobs are running and most are queued
-DOWN_AFTER_MS = 1000  # a Sentinel calls the master down after this long without an answer
 ANSWERED_WITHIN = 10.0  # seconds from the master's death to a new request's 202 (issue 32's target)
-
-
-class SentinelGroup:
-    """A master, a replica of it and three Sentinels on loopback, all with one password."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.password = secrets.token_hex(16)
-        self.binary = str(find_redis_server())
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.master_port, self.replica_port = free_port(), free_port()
-        self.master = self._redis("master", self.master_port, [])
-        self.replica = self._redis("replica", self.replica_port, [f"replicaof 127.0.0.1 {self.master_port}"])
-        self.sentinel_ports = [free_port() for _ in range(3)]
-        for i, port in enumerate(self.sentinel_ports):
-            self._sentinel(i, port)
-
-    def _redis(self, name: str, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
-        data = self.root / name
-        data.mkdir(mode=0o700)
-        argv = [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), *PERSISTENCE_ARGS,
-                "--logfile", str(data / "redis.log"), "-"]
-        config = [f"requirepass {self.password}", f"masterauth {self.password}", *extra]
-        return self._start(argv, "\n".join(config))
-
-    def _sentinel(self, index: int, port: int) -> None:
-        data = self.root / f"sentinel-{index}"
-        data.mkdir(mode=0o700)
-        config = data / "sentinel.conf"  # a Sentinel rewrites its file: it must be its own and writable
-        config.write_text("\n".join([
-            f"port {port}", "bind 127.0.0.1", f"dir {data}", f"logfile {data / 'sentinel.log'}",
-            f"requirepass {self.password}", f"sentinel sentinel-pass {self.password}",
-            f"sentinel monitor {MASTER_NAME} 127.0.0.1 {self.master_port} 2",
-            f"sentinel auth-pass {MASTER_NAME} {self.password}",
-            f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
-            f"sentinel failover-timeout {MASTER_NAME} 10000", ""]))
-        config.chmod(0o600)
-        self._start([self.binary, str(config), "--sentinel"], "")
-
-    def _start(self, argv: list[str], stdin: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        assert process.stdin is not None
-        process.stdin.write(stdin.encode())
-        process.stdin.close()
-        self.processes.append(process)
-        return process
-
-    @property
-    def sentinels(self) -> str:
-        return ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
-
-    def env(self) -> dict[str, str]:
-        """The settings every process gets: the URL names the first master but carries no password
-        (it comes apart, as from a Kubernetes Secret); a process that ignored the Sentinels would keep
-        talking to the dead master."""
-        return {"OPENJEV_REDIS_URL": f"redis://127.0.0.1:{self.master_port}/0",
-                "OPENJEV_REDIS_PASSWORD": self.password,
-                "OPENJEV_REDIS_SENTINELS": self.sentinels, "OPENJEV_REDIS_SENTINEL_MASTER": MASTER_NAME}
-
-    def client(self, port: int) -> redis.Redis:
-        return redis.Redis(port=port, password=self.password, socket_timeout=2, socket_connect_timeout=1)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Until the replica is in sync and every Sentinel knows the replica and the other two."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._ready():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"the Sentinel group did not settle in {timeout} s; logs in {self.root}")
-
-    def _ready(self) -> bool:
-        try:
-            if self.client(self.replica_port).info("replication").get("master_link_status") != "up":
-                return False
-            for port in self.sentinel_ports:
-                master = self.client(port).sentinel_masters().get(MASTER_NAME, {})
-                if master.get("num-other-sentinels") != 2 or master.get("num-slaves") != 1:
-                    return False
-        except (redis.ConnectionError, redis.TimeoutError, ValueError):
-            return False
-        return True
-
-    def current_master(self) -> int:
-        _, port = self.client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(MASTER_NAME)
-        return int(port)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture
@@ -147,11 +46,6 @@ def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
         yield group
     finally:
         group.stop()
-
-
-def settings_for(group: SentinelGroup) -> Settings:
-    return Settings(_env_file=None, **{  # type: ignore[call-arg]
-        name.removeprefix("OPENJEV_").lower(): value for name, value in group.env().items()})
 
 
 def test_a_client_built_from_the_settings_follows_the_sentinels_to_the_new_master(

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import alive
 from openjev.embedded_redis import free_port
 from openjev.serve import Child, child_env
-from tests.processes import alive
 from tests.test_serve_smoke import _kill, descendants, start_serve, wait_for_url
 
 # A leader that forks a long-lived grandchild, reports its pid, and exits at once on SIGTERM

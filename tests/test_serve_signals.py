@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.processes import ROOT, alive
+from harness.stacks import model_cache_dir
 from openjev.embedded_redis import free_port
-from tests.conftest import FIGURES, model_cache_dir
-from tests.processes import ROOT, alive
+from tests.conftest import FIGURES
 from tests.test_serve_smoke import descendants, wait_for_url
 
 STOP_WITHIN = 10.0

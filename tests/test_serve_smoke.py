@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.processes import ROOT, alive
+from harness.redis_servers import fresh_redis
+from harness.stacks import CPU_MODEL_NAME, model_cache_dir
 from openjev.embedded_redis import free_port
-from tests.conftest import CPU_MODEL_NAME, model_cache_dir
-from tests.processes import ROOT, alive
-from tests.redis_servers import fresh_redis
 
 SERVE_START_TIMEOUT = 600.0  # a first run converts the CPU model
 SERVING_LINE = re.compile(r"openjev is serving on (http://\S+)")
@@ -121,7 +121,7 @@ record.write_text(json.dumps({{"argv": sys.argv[1:], "rust": os.environ.get("SGL
 while not pathlib.Path({release!r}).exists():
     time.sleep(0.1)
 port = sys.argv[sys.argv.index("--port") + 1]
-os.execv(sys.executable, [sys.executable, "-m", "tests.scripted_engine", "--port", port])
+os.execv(sys.executable, [sys.executable, "-m", "harness.scripted_engine", "--port", port])
 """
 
 

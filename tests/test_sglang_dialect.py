@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
+from harness.processes import spawn
 from openjev.embedded_redis import free_port
-from tests.processes import spawn
 from worker import engine_client
 
 pytestmark = pytest.mark.integration

@@ -28,9 +28,10 @@ import redis
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
 from common.prompt import PromptCompiler
 from common.queue import keys
-from tests.conftest import CPU_MODEL_NAME, FIGURES, Stack
-from tests.processes import BackgroundSampler
-from tests.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
+from harness.processes import BackgroundSampler
+from harness.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
+from harness.stacks import CPU_MODEL_NAME, Stack
+from tests.conftest import FIGURES
 from tests.test_integration import jevcompat
 from worker.engine_client import BranchPrompt, EngineClient, SharedPrefix
 

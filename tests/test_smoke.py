@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from harness.stacks import Stack
 from openjev.smoke import TARGET_OPTION, many_options, response_problems, run_smoke
-from tests.conftest import Stack
 
 CONTRACT_CHECKS = {"limits", "models", "noul", "choice", "score", "choice_64_options", "choice_255_options",
                    "too_many_options_rejected", "multi_question", "async_job"}

@@ -19,9 +19,9 @@ from redis import Redis
 
 from common.queue import keys
 from common.tenants import KeysFileError, TenantDirectory, parse_keys_file
-from tests.conftest import Stack, build_stack
-from tests.processes import start_api, start_scripted_engine
-from tests.redis_servers import fresh_redis
+from harness.processes import start_api, start_scripted_engine
+from harness.redis_servers import fresh_redis
+from harness.stacks import Stack, build_stack
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import Stack, isolated_scripted_stack, stack_env
-from tests.processes import start_api, start_scripted_engine, start_worker
-from tests.redis_servers import fresh_redis
+from harness.processes import start_api, start_scripted_engine, start_worker
+from harness.redis_servers import fresh_redis
+from harness.stacks import Stack, isolated_scripted_stack, stack_env
 from tests.test_api_contract import NOUL, body
 
 SLOWEST_POLL = "5"  # OPENJEV_WORKER_POLL_DELAY's upper bound

@@ -19,7 +19,7 @@ from common.jobs import EvaluationJob, JobStatus, serialize
 from common.prompt import PromptCompiler
 from common.queue import keys
 from common.settings import Settings
-from tests.conftest import Stack, isolated_scripted_stack
+from harness.stacks import Stack, isolated_scripted_stack
 
 QUEUE = keys.queue_name("w0")  # the stack's worker
 

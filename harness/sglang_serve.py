@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.processes import alive
+from harness.stacks import CPU_MODEL_NAME, model_cache_dir
 from openjev.embedded_redis import PASSWORD_FILE, free_port
-from tests.conftest import CPU_MODEL_NAME, model_cache_dir
-from tests.processes import alive
 
 START_TIMEOUT = 1800.0  # a cold start takes about 2 minutes alone; over 15 on a machine loaded 20-fold
 REQUEST_TIMEOUT = 600.0  # the API's deadline here: a 255-option prefill on a busy shared CPU takes minutes

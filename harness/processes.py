@@ -82,7 +82,7 @@ def openjev(*args: str) -> list[str]:
 
 def start_scripted_engine(log_dir: Path) -> Proc:
     port = free_port()
-    proc = spawn("scripted-engine", [sys.executable, "-m", "tests.scripted_engine", "--port", str(port)], {},
+    proc = spawn("scripted-engine", [sys.executable, "-m", "harness.scripted_engine", "--port", str(port)], {},
                  log_dir, health=f"http://127.0.0.1:{port}/health")
     proc.url = f"http://127.0.0.1:{port}"
     return proc

@@ -3,7 +3,7 @@
 and can be told to stall, fail or answer with output that must not be trusted. Never the only test of
 a path: the CPU engine covers the real one.
 
-Run: python -m tests.scripted_engine --port P
+Run: python -m harness.scripted_engine --port P
 """
 
 from __future__ import annotations
