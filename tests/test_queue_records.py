@@ -131,15 +131,17 @@ async def test_a_lapsed_workers_jobs_move_as_new_placements_and_the_old_one_is_f
 
 
 async def test_a_renewal_never_recreates_a_lapsed_lease(redis: Redis) -> None:
+    info = await join(redis, "w9")
     lease = Lease(redis, "w9")
     await lease.acquire()
     await redis.delete(keys.lease_key("w9"))
     with pytest.raises(LeaseLapsed):
-        await lease.renew()
+        await beat(redis, info, lease)
     assert not await redis.exists(keys.lease_key("w9"))
     await redis.set(keys.lease_key("w9"), "someone-else")
     with pytest.raises(LeaseTaken):
-        await lease.renew()
+        await beat(redis, info, lease)
+    assert await redis.get(keys.lease_key("w9")) == b"someone-else"  # another holder's lease is left alone
 
 
 async def test_a_release_drops_only_its_own_lease(redis: Redis) -> None:

@@ -16,11 +16,11 @@ from redis.asyncio import Redis
 
 from common.queue import keys
 from common.queue.membership import (
+    HEARTBEAT_LUA,
     LIVENESS_WINDOW,
-    SILENT_MEMBERS_COMMAND,
     WorkerInfo,
     forget_member,
-    heartbeat_command,
+    heartbeat_arguments,
     live_workers,
     silent_members,
 )
@@ -30,13 +30,18 @@ log = logging.getLogger("openjev.queue")
 
 LEASE_TTL_MS = int(LIVENESS_WINDOW * 1000)
 
-# KEYS[1] lease; ARGV: token, ttl ms. 1: extended; 0: it lapsed (nobody holds it); -1: another token holds it.
-_RENEW = """
-local v = redis.call('GET', KEYS[1])
-if v == false then return 0 end
-if v ~= ARGV[1] then return -1 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+# A worker's beat: its heartbeat (membership's HEARTBEAT_LUA: KEYS[1..3], ARGV[1..4]), its lease's renewal
+# and a look for silent members, in one script. KEYS[4] the lease; ARGV[5] token, ARGV[6] ttl (ms),
+# ARGV[7] liveness window (s). Returns {held, ids of members silent past the window}; held is 1 when the
+# lease was extended, 0 when it lapsed (nobody holds it: a renewal never re-creates it), -1 when another
+# token holds it.
+_BEAT = HEARTBEAT_LUA + """
+local held = 1
+local holder = redis.call('GET', KEYS[4])
+if holder == false then held = 0
+elseif holder ~= ARGV[5] then held = -1
+else redis.call('PEXPIRE', KEYS[4], ARGV[6]) end
+return {held, redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - ARGV[7]))}
 """
 
 # KEYS[1] lease; ARGV[1] token. Drops the lease only while this token holds it (a lapsed lease may
@@ -97,13 +102,12 @@ class LeaseTaken(Exception):
 
 
 class Lease:
-    """The exclusive right to serve one worker id's queue, kept alive by `renew()`."""
+    """The exclusive right to serve one worker id's queue, kept alive by the worker's `beat`."""
 
     def __init__(self, redis: Redis, worker_id: str) -> None:
         self.redis = redis
         self.key = keys.lease_key(worker_id)
         self.token = secrets.token_hex(8)
-        self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
     async def acquire(self, patience: float = 4 * LIVENESS_WINDOW) -> None:
@@ -117,16 +121,8 @@ class Lease:
             await asyncio.sleep(0.25)
         self.token = token
 
-    async def renew(self) -> None:
-        """Extend the lease; LeaseLapsed if it expired meanwhile, LeaseTaken if another token holds it."""
-        self.check(await self._renew(keys=[self.key], args=[self.token, LEASE_TTL_MS]))
-
-    def renew_command(self) -> tuple[str | int, ...]:
-        """The renewal as EVAL's arguments, for a pipeline; its answer goes to `check`."""
-        return (_RENEW, 1, self.key, self.token, LEASE_TTL_MS)
-
     def check(self, held: int) -> None:
-        """Raise what a renewal's answer means: LeaseLapsed (0), LeaseTaken (-1); 1 is extended."""
+        """Raise what a beat's renewal answered: LeaseLapsed (0), LeaseTaken (-1); 1 is extended."""
         if held == 0:
             raise LeaseLapsed(f"{self.key} lapsed")
         if held == -1:
@@ -138,14 +134,12 @@ class Lease:
 
 
 async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
-    """What keeps a worker live, in one round trip each heartbeat interval: its heartbeat, its lease's
+    """What keeps a worker live, in one script each heartbeat interval: its heartbeat, its lease's
     renewal and a look for silent members (whose jobs may need moving). Returns the silent members'
-    ids; raises as `Lease.renew` does, once the heartbeat has gone out."""
-    async with redis.pipeline(transaction=False) as pipe:  # raw EVALs: see heartbeat_command
-        pipe.eval(*heartbeat_command(info))
-        pipe.eval(*lease.renew_command())
-        pipe.eval(*SILENT_MEMBERS_COMMAND)
-        _, held, silent = await pipe.execute()
+    ids; raises LeaseLapsed or LeaseTaken (`Lease.check`) once the heartbeat has gone out."""
+    heartbeat_keys, heartbeat_args = heartbeat_arguments(info)
+    held, silent = await redis.register_script(_BEAT)(
+        keys=[*heartbeat_keys, lease.key], args=[*heartbeat_args, lease.token, LEASE_TTL_MS, LIVENESS_WINDOW])
     lease.check(held)
     return [w.decode() for w in silent]
 

@@ -108,16 +108,19 @@ class WorkerInfo(BaseModel):
         return (ahead / self.max_jobs + 1) * self.avg_job_seconds
 
 
-# KEYS: worker key, routing hash, workers zset; ARGV: worker JSON, ttl (s), worker id, then the routing
-# hash's field/value pairs. The heartbeat's time is Redis's, so no host's clock decides liveness.
-_HEARTBEAT = """
+# The heartbeat, as the start of a script: `heartbeat` below ends it there, the worker's beat
+# (common/queue/leases.py) goes on with its lease's renewal. KEYS[1..3]: worker key, routing hash, workers
+# zset; ARGV[1..4]: worker JSON, ttl (s), worker id, the routing hash's field/value pairs as one JSON array.
+# Leaves Redis's time in `now`: the heartbeat's time is Redis's, so no host's clock decides liveness.
+HEARTBEAT_LUA = """
 local t = redis.call('TIME')
+local now = t[1] + t[2] / 1e6
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+redis.call('HSET', KEYS[2], unpack(cjson.decode(ARGV[4])))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], t[1] + t[2] / 1e6, ARGV[3])
-return 1
+redis.call('ZADD', KEYS[3], now, ARGV[3])
 """
+_HEARTBEAT = HEARTBEAT_LUA + "return 1\n"
 
 # KEYS[1] workers zset; ARGV: liveness window (s), worker key prefix, queue key prefix. Returns
 # [Redis time, then worker JSON, heartbeat time, queue length, ... for each fresh heartbeat].
@@ -145,19 +148,18 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (t[1] + t[2] / 1e6 - 
 
 async def heartbeat(redis: Redis, info: WorkerInfo) -> None:
     """Announce `info` as live now (by Redis's clock)."""
-    script, numkeys, *rest = heartbeat_command(info)
-    await redis.register_script(script)(keys=rest[:numkeys], args=rest[numkeys:])
+    heartbeat_keys, heartbeat_args = heartbeat_arguments(info)
+    await redis.register_script(_HEARTBEAT)(keys=heartbeat_keys, args=heartbeat_args)
 
 
-def heartbeat_command(info: WorkerInfo) -> tuple[str | int | float, ...]:
-    """The heartbeat as EVAL's arguments, for a pipeline (common/queue/leases.py `beat`: there a raw
-    EVAL, since redis-py sends SCRIPT EXISTS before every pipeline that holds a registered script)."""
+def heartbeat_arguments(info: WorkerInfo) -> tuple[list[str], list[str | int]]:
+    """HEARTBEAT_LUA's KEYS and ARGV for `info`, stamped now."""
     info.heartbeat_at = time.time()
-    routing = {"queue": info.queue, "engine_ok": int(info.engine_ok), "max_jobs": info.max_jobs,
-               "running": info.running, "avg_job_seconds": repr(info.avg_job_seconds)}
-    return (_HEARTBEAT, 3, keys.worker_key(info.id), keys.route_info_key(info.id), keys.WORKERS,
-            info.model_dump_json(), int(LIVENESS_WINDOW * 2), info.id,
-            *[item for pair in routing.items() for item in pair])
+    routing = {"queue": info.queue, "engine_ok": str(int(info.engine_ok)), "max_jobs": str(info.max_jobs),
+               "running": str(info.running), "avg_job_seconds": repr(info.avg_job_seconds)}
+    return ([keys.worker_key(info.id), keys.route_info_key(info.id), keys.WORKERS],
+            [info.model_dump_json(), int(LIVENESS_WINDOW * 2), info.id,
+             orjson.dumps([item for pair in routing.items() for item in pair]).decode()])
 
 
 async def leave(redis: Redis, worker_id: str, keep_membership: bool = False) -> None:
@@ -238,5 +240,3 @@ async def silent_members(redis: Redis) -> list[str]:
     """Ids still in the set whose heartbeat is older than the liveness window (by Redis's clock)."""
     return [w.decode() for w in await redis.register_script(_SILENT)(keys=[keys.WORKERS], args=[LIVENESS_WINDOW])]
 
-
-SILENT_MEMBERS_COMMAND = (_SILENT, 1, keys.WORKERS, LIVENESS_WINDOW)  # EVAL's arguments, for a pipeline
