@@ -3,21 +3,49 @@ at the HTTP boundary) and the reference CPU engine with a real model, all from t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
+import orjson
 import pytest
 import pytest_asyncio
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from transformers import PreTrainedTokenizerBase
 
 from common.prompt import PromptCompiler
+from common.queue import keys
 from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from harness.processes import start_cpu_engine, start_scripted_engine
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, build_stack, model_cache_dir
 
 FIGURES = pytest.StashKey[list[str]]()  # lines a test reports at the end of the run (e.g. SGLang's cold start)
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Call `check` until it returns something truthy, and return that: how a test waits for a signal (a
+    counter, a log line, a key) rather than sleeping. Fails, naming `what`, after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(interval)
+    return value
+
+
+def wait_for_next_heartbeat(redis_url: str, worker_id: str, timeout: float = 15.0) -> None:
+    """Until `worker_id` writes a heartbeat made after this call (the worker stamps each with this host's
+    clock as it makes it), so that what it knew at the call (its counters, its job time) is in Redis."""
+    asked = time.time()
+    with SyncRedis.from_url(redis_url) as client:
+        def made_since() -> bool:
+            raw = client.get(keys.worker_key(worker_id))
+            return raw is not None and orjson.loads(raw)["heartbeat_at"] > asked
+
+        wait_until(made_since, timeout, f"a heartbeat of {worker_id} made after the call")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

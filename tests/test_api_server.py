@@ -16,16 +16,34 @@ from harness.processes import Proc, start_api
 from harness.procfs import wakeups
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, stack_env
+from tests.conftest import wait_until
+from tests.test_logs import events
 
 AT_REST_SECONDS = 3.0
+ESTABLISHED, CLOSE_WAIT = "01", "08"  # TCP states as /proc/net/tcp writes them
+
+
+def request_logged(api: Proc, request_id: str) -> bool:
+    return any(e.get("event") == "request" and e.get("request_id") == request_id for e in events(api.output()))
+
+
+def held_connections(port: int) -> int:
+    """TCP connections the server on `port` still holds open (established, or closed by the client only)."""
+    rows = [line.split() for table in ("/proc/net/tcp", "/proc/net/tcp6")
+            for line in Path(table).read_text().splitlines()[1:]]
+    return sum(1 for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] in (ESTABLISHED, CLOSE_WAIT))
 
 
 def test_the_api_process_sleeps_at_rest(scripted_stack: Stack) -> None:
     """uvicorn's own main loop wakes ten times a second (30 in this window); ours only for work."""
-    assert scripted_stack.post({"model": "jev-latest", "state": "hi", "questions": {
-        "q": {"type": "noul", "instructions": "Is this a greeting?"}}}).status_code == 200
+    response = scripted_stack.post({"model": "jev-latest", "state": "hi", "questions": {
+        "q": {"type": "noul", "instructions": "Is this a greeting?"}}})
+    assert response.status_code == 200
     pid = scripted_stack.api.process.pid
-    time.sleep(0.5)  # past the request's own wake-ups (its connection's close, the log line)
+    request_id, port = response.headers["x-typesafe-request-id"], int(scripted_stack.url.rsplit(":", 1)[1])
+    # past the request's own wake-ups: its log line is written and its connection closed on the server's side
+    wait_until(lambda: request_logged(scripted_stack.api, request_id) and not held_connections(port), 10,
+               "the request logged and its connection let go")
     before = wakeups(pid)
     time.sleep(AT_REST_SECONDS)
     woken = wakeups(pid) - before
@@ -42,7 +60,7 @@ def test_every_response_carries_one_current_date(scripted_stack: Stack) -> None:
         sent = parsedate_to_datetime(response.headers["date"]).timestamp()
         assert abs(sent - time.time()) < 2.5
         dates.append(sent)
-        time.sleep(1.1)
+        time.sleep(1.1)  # time passing is what is tested: the next Date (whole seconds) must be a later one
     assert dates[0] < dates[1] < dates[2]
 
 

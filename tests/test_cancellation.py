@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
 from harness.processes import start_cpu_engine
 from harness.stacks import Stack, build_stack, isolated_scripted_stack, model_cache_dir
+from tests.conftest import wait_for_next_heartbeat
 from tests.test_api_contract import NOUL, body
 
 THREE = {"a": NOUL, "b": NOUL, "c": NOUL}
@@ -116,7 +116,7 @@ def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack
 def test_when_no_worker_could_finish_in_time_new_requests_get_529_fast(tight_stack: Stack) -> None:
     tight_stack.script(delay=0.8)
     assert tight_stack.post(body()).status_code == 200  # teaches the worker its job time (~1.6 s)
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)  # the next heartbeat carries it (every 2 s at rest)
+    wait_for_next_heartbeat(tight_stack.redis_url, "w0")  # it carries that job time to the routing fields
     results: list[httpx.Response] = []
 
     def call() -> None:
@@ -125,7 +125,7 @@ def test_when_no_worker_could_finish_in_time_new_requests_get_529_fast(tight_sta
     threads = [threading.Thread(target=call) for _ in range(6)]
     for t in threads:
         t.start()
-        time.sleep(0.1)
+        time.sleep(0.1)  # the callers' arrival pattern, one after another: not a wait for anything
     for t in threads:
         t.join()
     statuses = sorted(r.status_code for r in results)

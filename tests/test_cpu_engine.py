@@ -371,17 +371,27 @@ def test_unsupported_requests_are_400_with_sglang_error_body(engine: str, labels
     assert message in error["message"]
 
 
+async def admitted(url: str, before: dict[str, int], prompts: int, timeout: float = 30.0) -> None:
+    """Until the engine has admitted `prompts` more prompts than at `before` (they then wait out its compute delay)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while stats(url)["requests_received"] - before["requests_received"] < prompts:
+        assert loop.time() < deadline, f"{prompts} prompt(s) not admitted within {timeout:g} s"
+        await asyncio.sleep(0.02)
+
+
 async def test_abort_drops_a_queued_request_before_compute(slow_engine: str, prefix: list[int],
                                                           labels: list[int]) -> None:
     before = stats(slow_engine)
     async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
         first = asyncio.create_task(client.post("/generate", json=score_body(prefix, labels, rid="running")))
         queued = asyncio.create_task(client.post("/generate", json=score_body(prefix, labels, rid="queued")))
-        await asyncio.sleep(0.5)
+        await admitted(slow_engine, before, 2)
         assert (await client.post("/abort_request", json={"rid": "queued"})).status_code == 200
         aborted = (await asyncio.wait_for(queued, timeout=1.0)).json()
         finished = (await first).json()
-    await asyncio.sleep(COMPUTE_DELAY + 1)  # time the thread would need to compute the dropped request
+    # a negative check's window: the thread would have computed the dropped request by now
+    await asyncio.sleep(COMPUTE_DELAY + 1)
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
     assert finished["meta_info"]["finish_reason"]["type"] == "length"
     after = stats(slow_engine)
@@ -397,7 +407,7 @@ async def test_an_aborted_prompt_of_a_batch_leaves_the_others_computed(slow_engi
     prompts = [[*prefix, 50 + i] for i in range(3)]
     async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
         call = asyncio.create_task(client.post("/generate", json=score_body(prompts, labels, rid=["k0", "k1", "k2"])))
-        await asyncio.sleep(0.5)
+        await admitted(slow_engine, before, 3)
         assert (await client.post("/abort_request", json={"rid": "k1"})).status_code == 200
         answers = (await call).json()
     assert [a["meta_info"]["finish_reason"]["type"] for a in answers] == ["length", "abort", "length"]
@@ -413,12 +423,12 @@ async def test_a_batch_aborted_whole_is_never_computed(slow_engine: str, prefix:
     prompts = [[*prefix, 60 + i] for i in range(2)]
     async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
         call = asyncio.create_task(client.post("/generate", json=score_body(prompts, labels, rid=["g0", "g1"])))
-        await asyncio.sleep(0.5)
+        await admitted(slow_engine, before, 2)
         for rid in ("g0", "g1"):
             await client.post("/abort_request", json={"rid": rid})
         answers = (await asyncio.wait_for(call, timeout=1.0)).json()
     assert [a["meta_info"]["finish_reason"]["type"] for a in answers] == ["abort", "abort"]
-    await asyncio.sleep(COMPUTE_DELAY)
+    await asyncio.sleep(COMPUTE_DELAY)  # a negative check's window: a forward pass would have come by now
     assert stats(slow_engine)["forward_passes"] == before["forward_passes"]
 
 
@@ -426,12 +436,12 @@ async def test_abort_stops_a_request_in_progress(slow_engine: str, prefix: list[
     before = stats(slow_engine)
     async with httpx.AsyncClient(base_url=slow_engine, timeout=60) as client:
         call = asyncio.create_task(client.post("/generate", json=score_body(prefix, labels, rid="busy")))
-        await asyncio.sleep(0.5)
+        await admitted(slow_engine, before, 1)
         await client.post("/abort_request", json={"rid": "busy"})
         answer = (await asyncio.wait_for(call, timeout=1.0)).json()
         assert (await client.post("/abort_request", json={"rid": "busy"})).status_code == 200  # no longer live
     assert answer["meta_info"]["finish_reason"]["type"] == "abort"
-    await asyncio.sleep(COMPUTE_DELAY)
+    await asyncio.sleep(COMPUTE_DELAY)  # a negative check's window: a forward pass would have come by now
     after = stats(slow_engine)
     assert after["forward_passes"] == before["forward_passes"]
     assert (after["aborts_received"] - before["aborts_received"],
@@ -444,7 +454,7 @@ async def test_a_client_that_hangs_up_is_aborted_before_compute(slow_engine: str
     async with httpx.AsyncClient(base_url=slow_engine, timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/generate", json=score_body(prefix, labels))
-    await asyncio.sleep(COMPUTE_DELAY)
+    await asyncio.sleep(COMPUTE_DELAY)  # a negative check's window: a forward pass would have come by now
     after = stats(slow_engine)
     assert after["requests_aborted"] - before["requests_aborted"] == 1
     assert after["forward_passes"] == before["forward_passes"]

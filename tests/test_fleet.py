@@ -23,11 +23,12 @@ from common.contract import SystemOneRequest
 from common.jobs import EvaluationJob
 from common.prompt import PromptCompiler
 from common.queue import keys
-from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW, RESTING_HEARTBEAT_INTERVAL
+from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
 from common.routing import rank_workers
 from common.settings import Settings
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.stacks import stack_env
+from tests.conftest import wait_for_next_heartbeat
 
 WORKER_IDS = ["f0", "f1", "f2"]
 QUESTIONS = {
@@ -166,11 +167,11 @@ def test_each_workers_cache_hits_are_published_and_match_its_engine(fleet: Fleet
     state = "Order 5521: the parcel arrived broken and I want a replacement, not a refund."
     first = fleet.ranking(state)[0]
     prefix = len(fleet.job(state).prefix_ids)
-    # a worker with no job running beats every RESTING_HEARTBEAT_INTERVAL: so the counters read include every job
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)
+    # each read is of a heartbeat made after every earlier job had ended: the counters include them all
+    wait_for_next_heartbeat(fleet.env["OPENJEV_REDIS_URL"], first)
     before, engine_before = fleet.live(1)[first]["counters"], fleet.engine_stats(first)
     assert [fleet.run(state, api=i) for i in (0, 1)] == [first, first]
-    time.sleep(RESTING_HEARTBEAT_INTERVAL + 0.5)
+    wait_for_next_heartbeat(fleet.env["OPENJEV_REDIS_URL"], first)
     after, engine_after = fleet.live(1)[first]["counters"], fleet.engine_stats(first)
     delta = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
     assert (delta["jobs_done"], delta["warm_calls"], delta["branch_calls"]) == (2, 2, 2 * len(QUESTIONS))

@@ -13,6 +13,7 @@ import redis
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW, RESTING_HEARTBEAT_INTERVAL
 from harness.stacks import isolated_scripted_stack
+from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
 
 
@@ -47,7 +48,9 @@ def test_the_worker_beats_every_second_while_busy_and_every_two_at_rest(model_di
             answered: list[int] = []
             job = threading.Thread(target=lambda: answered.append(stack.post(body({"q": NOUL})).status_code))
             job.start()
-            time.sleep(2.1)  # past the beat that was pending when the job arrived
+            # the first beat that counts the job running: the resting wait pending when it arrived is over
+            wait_until(lambda: client.hget(keys.route_info_key("w0"), "running") == b"1", 10,
+                       "a heartbeat of w0 with the job running")
             busy = beats(client, "w0", 5.0)
             job.join(60)
             assert answered == [200]

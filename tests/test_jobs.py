@@ -14,6 +14,7 @@ from common.jobs import JobIds
 from common.queue import keys
 from common.settings import Settings
 from harness.stacks import Stack
+from tests.conftest import wait_until
 from tests.test_api_contract import INVALID, NOUL, SCORE, body
 
 
@@ -64,15 +65,18 @@ def test_delete_cancels_a_running_job_and_aborts_its_calls_in_the_engine(scripte
     before = scripted_stack.engine_stats()
     job = submit(scripted_stack, body({"a": NOUL, "b": NOUL})).json()
     url = f"{scripted_stack.url}/v1/jobs/{job['id']}"
-    deadline = time.monotonic() + 10
-    while httpx.get(url).json()["status"] != "running" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # the warm call is in the engine
+    wait_until(lambda: [r for r in scripted_stack.engine_stats()["live"] if r.startswith(job["id"])], 10,
+               "the job's warm call live in the engine")
     cancelled = httpx.delete(url, timeout=30).json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["error_type"] == "cancelled"
-    time.sleep(1.0)
-    after = scripted_stack.engine_stats()
+
+    def aborted() -> dict | None:
+        stats = scripted_stack.engine_stats()
+        live = [rid for rid in stats["live"] if rid.startswith(job["id"])]
+        return stats if stats["requests_aborted"] > before["requests_aborted"] and not live else None
+
+    after = wait_until(aborted, 10, "the job's engine calls aborted")
     assert after["aborts_received"] > before["aborts_received"]
     assert after["requests_aborted"] > before["requests_aborted"]
     assert [rid for rid in after["received"] if rid.startswith(job["id"])]  # it did reach the engine

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from common.logs import JsonFormatter
+from harness.processes import Proc
 from harness.stacks import Stack
+from tests.conftest import wait_until
 from tests.test_api_contract import NOUL
 
 
@@ -38,7 +39,13 @@ def test_each_request_and_job_logs_one_event_with_ids_and_no_body_or_key(scripte
                             headers={"Authorization": "Bearer key-that-must-never-be-logged"})
     assert r.status_code == 200
     request_id = r.headers["x-typesafe-request-id"]
-    time.sleep(0.5)
+
+    def logged(proc: Proc, event: str) -> bool:
+        return any(e.get("event") == event and e.get("request_id") == request_id for e in events(proc.output()))
+
+    # each process logs its event once its answer has gone out, so after the response: wait for both
+    wait_until(lambda: logged(scripted_stack.api, "request") and logged(scripted_stack.workers[0], "job"), 10,
+               "the request's event in the API log and its job's in the worker log")
     api_log = scripted_stack.api.output()
     worker_log = scripted_stack.workers[0].output()
     request_events = [e for e in events(api_log) if e.get("request_id") == request_id and e.get("event") == "request"]

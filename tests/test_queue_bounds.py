@@ -20,6 +20,7 @@ import redis
 
 from common.queue import keys
 from harness.stacks import Stack, isolated_scripted_stack
+from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, SCORE, body
 from tests.test_metrics import samples
 
@@ -95,16 +96,21 @@ def test_two_thousand_deletes_of_finished_jobs_leave_the_abort_set_empty(stack: 
         stack.script(delay=0.0)
 
 
+def scoring_requests_logged(stack: Stack) -> list[dict]:
+    """The API's request events for /v1/systemone so far."""
+    events = [orjson.loads(line) for line in stack.api.output().splitlines() if line.startswith("{")]
+    return [e for e in events if e.get("event") == "request" and e.get("path") == "/v1/systemone"]
+
+
 def test_a_client_that_hangs_up_is_one_499_cancelled_in_logs_and_metrics(stack: Stack, client: redis.Redis) -> None:
     stack.script(delay=3.0)
     try:
         with pytest.raises(httpx.ReadTimeout):
             stack.post(body({"a": NOUL}, state="I will not wait"), timeout=1.0)
-        time.sleep(1.5)
+        # its request event is the API's last word on it: the job's ending and the metrics come before
+        requests = wait_until(lambda: scoring_requests_logged(stack), 10, "the hung-up request's log event")
     finally:
         stack.script(delay=0.0)
-    events = [orjson.loads(line) for line in stack.api.output().splitlines() if line.startswith("{")]
-    requests = [e for e in events if e.get("event") == "request" and e.get("path") == "/v1/systemone"]
     assert [e["status"] for e in requests] == [499]
     m = samples(httpx.get(stack.url + "/metrics", timeout=30).text)
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "499")))] == 1

@@ -18,10 +18,12 @@ import redis
 
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
-from harness.processes import start_scripted_engine, start_worker
+from harness.processes import Proc, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, build_stack
+from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
+from tests.test_logs import events
 
 pytestmark = pytest.mark.integration
 
@@ -62,14 +64,21 @@ class Notices:
         self._pubsub.close()
 
 
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout:g} s")
+def ended_on(worker: Proc, job_id: str) -> bool:
+    """Whether `worker`'s log shows its placement of `job_id` ended: stopped (moved or cancelled), or a
+    job event (stored or refused). Any store it tried comes before that line."""
+    text = worker.output()
+    return f'"job {job_id}: ' in text or any(e.get("event") == "job" and e.get("job_id") == job_id
+                                             for e in events(text))
+
+
+def wait_for_notices(notices: Notices, redis_url: str) -> None:
+    """Until every notice published so far has reached `notices`: Redis delivers a channel's messages in
+    the order it took them, so once a marker published now is counted, all earlier ones are."""
+    marker = f"marker-{time.monotonic_ns()}"
+    with redis.Redis.from_url(redis_url) as client:
+        client.publish(keys.DONE_CHANNEL, marker)
+    wait_until(lambda: notices.counts[marker], 10, "a marker published on the done channel heard")
 
 
 def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_aborted(
@@ -80,10 +89,10 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
     try:
         ids = [httpx.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=f"state {i}"), timeout=30).json()["id"]
                for i in range(JOBS)]
-        wait_for(lambda: all(f"{i}.1.warm" in stack.engine_stats()["live"] for i in ids), 30,
+        wait_until(lambda: all(f"{i}.1.warm" in stack.engine_stats()["live"] for i in ids), 30,
                  "every job's warm call live on w0")
         stack.workers.append(start_worker(stack.log_dir, stack.env, stack.engine.url, "w1"))
-        wait_for(lambda: len(httpx.get(stack.url + "/health", timeout=5).json()["workers"]) == 2, 60, "w1 live")
+        wait_until(lambda: len(httpx.get(stack.url + "/health", timeout=5).json()["workers"]) == 2, 60, "w1 live")
 
         paused = stack.workers[0].process
         paused.send_signal(signal.SIGSTOP)
@@ -96,7 +105,7 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
                 done = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
                 assert done["status"] == "succeeded", done
             assert time.monotonic() - stopped_at > lease_left  # answered only once w0's lease had lapsed
-            time.sleep(max(0.0, PAUSE - (time.monotonic() - stopped_at)))
+            time.sleep(max(0.0, PAUSE - (time.monotonic() - stopped_at)))  # the pause itself: PAUSE s in all
         finally:
             paused.send_signal(signal.SIGCONT)
 
@@ -104,10 +113,12 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
             stats = stack.engine_stats()
             return None if any(".1." in rid for rid in stats["live"]) else stats
 
-        stats = wait_for(first_placements_ended, 15, "the paused worker's calls ended")
+        stats = wait_until(first_placements_ended, 15, "the paused worker's calls ended")
         assert {f"{i}.1.warm" for i in ids} <= set(stats["aborted"])  # aborted, not left to run out
         assert not any(r.startswith(tuple(ids)) and ".1." in r for r in stats["finished"])
-        time.sleep(2.0)  # room for any stale store to arrive
+        wait_until(lambda: all(ended_on(stack.workers[0], i) for i in ids), 30,
+                   "the paused worker's log shows each first placement ended")  # after any store it tried
+        wait_for_notices(notices, stack.redis_url)
         assert {i: notices.counts[i] for i in ids} == {i: 1 for i in ids}  # each outcome stored once
         for job_id in ids:
             record = redis.Redis.from_url(stack.redis_url).hgetall(keys.job_key(job_id))

@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import subprocess
 import sys
+import time
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -151,9 +152,13 @@ def test_a_batch_answer_decodes_item_by_item(api_types: ModuleType, engine: str)
 
 
 async def test_an_aborted_answer_decodes_with_an_abort_finish_reason(api_types: ModuleType, engine: str) -> None:
+    received = httpx.get(f"{engine}/stats", timeout=10).json()["requests_received"]
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
         call = asyncio.create_task(client.post("/generate", json=score_request(PROMPT, "doomed")))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while (await client.get("/stats")).json()["requests_received"] == received:  # until "doomed" is live
+            assert time.monotonic() < deadline, "the call never reached the engine"
+            await asyncio.sleep(0.02)
         abort = await client.post("/abort_request", json={"rid": "doomed"})
         answer = await call
     assert (abort.status_code, abort.content) == (200, b"")

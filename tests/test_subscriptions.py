@@ -65,7 +65,10 @@ async def test_it_is_subscribed_on_return_and_survives_a_redis_restart_and_a_bad
         assert "not handled" in caplog.text
 
         server.stop()
-        await asyncio.sleep(1.0)  # several failed resubscriptions, backing off to the cap
+        deadline = time.monotonic() + 10
+        while "resubscribing in 0.4 s" not in caplog.text:  # failed resubscriptions, backed off to the cap
+            assert time.monotonic() < deadline, "the subscription's backoff never reached its cap"
+            await asyncio.sleep(0.02)
         server.start()
         server.wait_ready()
         await publisher.aclose()

@@ -66,7 +66,7 @@ def test_jobs_queued_behind_a_full_worker_start_as_slots_free_without_waiting_fo
         queued = [threading.Thread(target=ask, args=(name,)) for name in ("b", "c")]
         for thread in queued:
             thread.start()
-            time.sleep(0.1)
+            time.sleep(0.1)  # the callers' arrival pattern, one after another: not a wait for anything
         for thread in (first, *queued):
             thread.join()
         # Each ~1 s after the one before it; on arq's poll alone each would also wait 0-5 s for it.
