@@ -76,7 +76,10 @@ class TenantKeys:
         return True
 
     async def watch(self) -> None:
-        """Re-read the file whenever it changes, and on SIGHUP, until cancelled."""
+        """Re-read the file whenever it changes, and on SIGHUP, until cancelled. Without a keys file
+        there is nothing to re-read: it returns at once, so an API at rest wakes only for work."""
+        if self.directory.source is None:
+            return
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(signal.SIGHUP, self._sighup)

@@ -39,7 +39,7 @@ from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST
 from harness.procfs import cpu_seconds, run_seconds, wakeups
 from harness.stacks import model_cache_dir
-from openjev.embedded_redis import free_port, start_redis
+from openjev.embedded_redis import SERVE_HZ, free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASELINE = "3c3aab0"  # main before batched branch calls (2026-12-01)
@@ -251,13 +251,11 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awak
     uvicorn, the API's server and a bare asyncio loop waking ten times a second cost on this machine; with `awake`, each
     window is measured beside one nice-19 busy loop per core (bench/awake.py)."""
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
-    variants = [Stack("this checkout (defaults)", ROOT, sys.executable),
-                Stack("Redis hz 1 (default 10; not adopted)", ROOT, sys.executable, redis_hz=1),
-                Stack("arq poll 2 s (the default before; now 4)", ROOT, sys.executable,
-                      {"OPENJEV_WORKER_POLL_DELAY": "2"}),
-                Stack("arq poll 5 s (default 4)", ROOT, sys.executable, poll),
-                Stack("engine probe every 5 s (default 2)", ROOT, sys.executable, probe),
-                Stack("poll and probe 5 s", ROOT, sys.executable, {**poll, **probe})]
+    variants = [Stack("this checkout, Redis hz 1 (serve's Redis)", ROOT, sys.executable, redis_hz=SERVE_HZ),
+                Stack("this checkout, Redis hz 10 (Redis's default; compose, deploy/)", ROOT, sys.executable),
+                Stack("arq poll 5 s (default 4), hz 1", ROOT, sys.executable, poll, redis_hz=SERVE_HZ),
+                Stack("engine probe every 5 s (default 2), hz 1", ROOT, sys.executable, probe, redis_hz=SERVE_HZ),
+                Stack("poll and probe 5 s, hz 1", ROOT, sys.executable, {**poll, **probe}, redis_hz=SERVE_HZ)]
     lines = ["| at rest | API | worker | Redis | total CPU-ms per second | wake-ups per second (API, worker, Redis) "
              "| CPU-ms per wake-up |", "|---|---|---|---|---|---|---|"]
     for stack in variants:

@@ -21,6 +21,14 @@ import redis
 PASSWORD_FILE = "password"  # beside the data, mode 0600: the same password for every start on this dir
 LOCK_FILE = "lock"  # held while a Redis runs on the directory: two servers on one AOF would corrupt it
 LOG_FILE = "redis.log"
+# serve's Redis runs its background timer once a second instead of ten times (Redis's `hz`): at rest
+# it wakes for nothing else, so a laptop's stack costs 0.4 instead of 1.6 CPU-ms a second for it
+# (bench/RESULTS-cpu.md). What the timer paces is not on a request's path here: a write that Redis
+# postpones behind a running fsync is retried at each turn of its event loop, which every command makes
+# (an async job's 202 polls until its job is in the file), and expired keys go when read or, a few each
+# second, by the timer. compose.yaml and deploy/ keep 10: a shared Redis with many clients and keys
+# wants its expiry and client checks at the usual pace.
+SERVE_HZ = 1
 PORT_FLOOR = 20000  # free_port chooses from here to the ephemeral range (32768 on Linux): clear of well-known ports
 START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which grows with the queue
 
@@ -130,7 +138,7 @@ class RedisServer:
         # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
         argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
-                "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
+                "--hz", str(SERVE_HZ), "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         # Its own process group: a terminal's Ctrl-C must not stop Redis before serve stops the rest.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
