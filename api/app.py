@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from arq.connections import ArqRedis
 from fastapi import FastAPI
 
 from api.auth import KeyGate, RateGate, TenantKeys
@@ -39,9 +38,7 @@ class Services:
 
     settings: Settings
     preparer: JobPreparer
-    redis: ArqRedis
     queue: JobQueue
-    waiter: CompletionWaiter
     started_at: float
 
 
@@ -70,9 +67,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         app.state.services = Services(
             settings=settings,
             preparer=preparer or build_preparer(settings),
-            redis=redis,
             queue=JobQueue(redis, store, waiter, settings.route_load_factor, settings.routing),
-            waiter=waiter,
             started_at=time.time(),
         )
         try:

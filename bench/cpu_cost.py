@@ -57,7 +57,7 @@ class Stack:
     root: Path
     python: str  # the interpreter of the environment the stack's code runs in
     env: dict[str, str] = field(default_factory=dict)  # settings of this stack only
-    redis_hz: int | None = None  # Redis's `hz` (its background timer, 10 by default), set after it starts
+    redis_hz: int | None = None  # Redis's `hz` (its background timer), set after it starts; None: serve's (1)
     url: str = ""
     pids: dict[str, int] = field(default_factory=dict)
     engine_url: str = ""
@@ -252,7 +252,8 @@ def idle_floor(model_dir: Path, log_dir: Path, rounds: int, seconds: float, awak
     window is measured beside one nice-19 busy loop per core (bench/awake.py)."""
     poll, probe = {"OPENJEV_WORKER_POLL_DELAY": "5"}, {"OPENJEV_ENGINE_HEALTH_INTERVAL": "5"}
     variants = [Stack("this checkout, Redis hz 1 (serve's Redis)", ROOT, sys.executable, redis_hz=SERVE_HZ),
-                Stack("this checkout, Redis hz 10 (Redis's default; compose, deploy/)", ROOT, sys.executable),
+                Stack("this checkout, Redis hz 10 (Redis's default, as compose and deploy run it)", ROOT,
+                      sys.executable, redis_hz=10),
                 Stack("arq poll 5 s (default 4), hz 1", ROOT, sys.executable, poll, redis_hz=SERVE_HZ),
                 Stack("engine probe every 5 s (default 2), hz 1", ROOT, sys.executable, probe, redis_hz=SERVE_HZ),
                 Stack("poll and probe 5 s, hz 1", ROOT, sys.executable, {**poll, **probe}, redis_hz=SERVE_HZ)]

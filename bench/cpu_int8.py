@@ -69,7 +69,7 @@ def main() -> int:
         for prompt in prompts:  # the first warms the kernels up and is not timed
             started = time.perf_counter()
             _, kv = loaded.forward(prompt.prefix_ids, None)
-            packed = forward_packed(loaded, kv, prompt.prefix_tokens, [], [b.suffix_ids for b in prompt.branches])
+            packed = forward_packed(loaded, kv, len(prompt.prefix_ids), [], [b.suffix_ids for b in prompt.branches])
             seconds.append(time.perf_counter() - started)
         engine_way = [labels(logits, b.label_ids) for logits, b in zip(packed.logits, prompt.branches, strict=True)]
         one_pass = [labels(loaded.forward(prompt.prefix_ids + b.suffix_ids, None)[0], b.label_ids)
@@ -80,7 +80,7 @@ def main() -> int:
         del loaded, kv, packed
         gc.collect()
 
-    print(f"{args.model}, README example with a new state ({prompts[-1].prefix_tokens} prefix tokens, "
+    print(f"{args.model}, README example with a new state ({len(prompts[-1].prefix_ids)} prefix tokens, "
           f"{sum(len(b.suffix_ids) for b in prompts[-1].branches)} suffix tokens), {torch.get_num_threads()} "
           f"threads, {args.rounds} rounds")
     print("| weights | prefix + packed branches, s | refund / department / urgency | largest answer change "
@@ -116,7 +116,7 @@ def probe_boolq(model: str, size: int) -> int:
     del f32
     gc.collect()
     int8 = load_model(model_dir, served_name, dtype="int8")
-    mean_tokens = statistics.mean(prompt.prefix_tokens for prompt in prompts)
+    mean_tokens = statistics.mean(len(prompt.prefix_ids) for prompt in prompts)
     print(f"{model}, {size} BoolQ items, prefix {mean_tokens:.0f} tokens on average; int8 against float32:")
     print("| int8 computed | mean change of p(yes) | largest | answers turned |")
     print("|---|---|---|---|")

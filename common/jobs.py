@@ -119,7 +119,6 @@ class Timings(BaseModel):
     """Seconds spent in each stage, reported in `Server-Timing`."""
 
     queue: float = 0.0
-    prepare: float = 0.0
     prefill: float = 0.0
     branches: float = 0.0
 

@@ -103,11 +103,6 @@ class CompiledPrompt:
     final_rounds: dict[str, FinalRound] = field(default_factory=dict)
     """By question id: the second round of each grouped choice question, assembled by the worker."""
 
-    @property
-    def prefix_tokens(self) -> int:
-        """The size of the shared prefix in tokens."""
-        return len(self.prefix_ids)
-
 
 class PromptCompiler:
     """Turns requests into token ids with one tokenizer and its verified label alphabet."""

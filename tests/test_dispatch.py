@@ -1,5 +1,5 @@
 """Placement inside Redis (common/queue/placement.py) makes exactly the routing choices of the Python
-reference (common/routing.py + WorkerInfo.expected_finish), writes the job where it routed it, and
+reference (tests/routing_reference.py), writes the job where it routed it, and
 claims the idempotency key in the same step."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from redis.asyncio import Redis
 from common.queue import keys
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import FAIR_ORIGIN_MS, Dispatcher, IdempotencyClaim, Placement
-from common.routing import admit, prefix_key, round_robin, route_job
+from common.routing import prefix_key
 from common.settings import RoutingPolicy
+from tests.routing_reference import admit, expected_finish, round_robin, route_job
 
 
 async def build_fleet(redis: Redis, rng: random.Random) -> tuple[dict[str, WorkerInfo], dict[str, int]]:
@@ -41,7 +42,7 @@ async def build_fleet(redis: Redis, rng: random.Random) -> tuple[dict[str, Worke
 
 def reference(key: str, live: dict[str, WorkerInfo], lengths: dict[str, int], load_factor: float,
               remaining: float, turn: int | None = None) -> Placement:
-    """What common/routing.py decides for the same state."""
+    """What the Python reference decides for the same state."""
     if not live:
         return Placement(no_worker=True)
     if turn is None:
@@ -49,7 +50,7 @@ def reference(key: str, live: dict[str, WorkerInfo], lengths: dict[str, int], lo
         chosen = route_job(key, waiting, load_factor)
     else:
         chosen = round_robin(turn, list(live))
-    finish_in = {w: live[w].expected_finish(lengths[w]) for w in live}
+    finish_in = {w: expected_finish(live[w], lengths[w]) for w in live}
     target = admit(key, chosen, finish_in, remaining)
     if target is None:
         return Placement(soonest=min(finish_in.values()))

@@ -42,8 +42,8 @@ def build_app(compiler: PromptCompiler, **settings) -> FastAPI:
     got past validation and the model check would fail on the missing queue, never answer 200."""
     s = Settings(**settings)
     app = create_api(s)
-    app.state.services = Services(settings=s, preparer=JobPreparer(s, compiler), redis=None, queue=None,  # type: ignore[arg-type]
-                                  waiter=None, started_at=time.time())  # type: ignore[arg-type]
+    app.state.services = Services(settings=s, preparer=JobPreparer(s, compiler), queue=None,  # type: ignore[arg-type]
+                                  started_at=time.time())
     return app
 
 

@@ -140,7 +140,7 @@ def test_prefix_is_identical_whatever_the_questions(compiler: PromptCompiler) ->
     more = compiler.compile(request(state, {"refund": REFUND, "team": TEAM, "anger": ANGER, "many": MANY}))
     reversed_ = compiler.compile(request(state, {"anger": ANGER, "team": TEAM, "refund": REFUND}))
     assert one.prefix_ids == renamed.prefix_ids == more.prefix_ids == reversed_.prefix_ids
-    assert one.prefix_tokens == len(one.prefix_ids) > 0
+    assert len(one.prefix_ids) > 0
 
 
 def test_suffix_of_each_question_is_independent_of_the_other_questions(compiler: PromptCompiler) -> None:
@@ -331,7 +331,7 @@ class StrictTemplateTokenizer:
 
 def test_messages_the_model_template_refuses_are_unsupported_content_not_a_crash(qwen: PromptCompiler) -> None:
     compiler = PromptCompiler(StrictTemplateTokenizer(qwen36_tokenizer()), qwen.alphabet)  # type: ignore[arg-type]
-    assert compiler.compile(request([{"role": "system", "content": "first"}], {"q": REFUND})).prefix_tokens
+    assert compiler.compile(request([{"role": "system", "content": "first"}], {"q": REFUND})).prefix_ids
     late_system = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
     with pytest.raises(UnsupportedContent, match="System message must be at the beginning") as raised:
         compiler.compile(request(late_system, {"q": REFUND}))

@@ -1,4 +1,5 @@
-"""Prefix-hash routing (common/routing.py): rendezvous ranking, bounded-load fallback, first-K keys."""
+"""Prefix-hash routing: rendezvous ranking (common/routing.py), the bounded-load fallback (its Python
+reference, tests/routing_reference.py, which the placement script matches: tests/test_dispatch.py), first-K keys."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from api.preparation import JobPreparer
 from common.contract import SystemOneRequest
 from common.prompt import PromptCompiler
-from common.routing import load_bound, prefix_key, rank_workers, round_robin, route_job
+from common.routing import prefix_key, rank_workers
 from common.settings import Settings
+from tests.routing_reference import load_bound, round_robin, route_job
 
 WORKERS = [f"gpu-{i}" for i in range(8)]
 KEYS = [prefix_key([i, i * 7 + 1, 42]) for i in range(10_000)]

@@ -102,11 +102,6 @@ class WorkerInfo(BaseModel):
     heartbeat_at: float = 0.0
     counters: WorkerCounters = Field(default_factory=WorkerCounters)
 
-    def expected_finish(self, queued: int) -> float:
-        """Seconds a new job would take here: the queue ahead drains `max_jobs` at a time, then it runs."""
-        ahead = queued + max(0, self.running - self.max_jobs + 1)
-        return (ahead / self.max_jobs + 1) * self.avg_job_seconds
-
 
 # The heartbeat, as the start of a script: `heartbeat` below ends it there, the worker's beat
 # (common/queue/leases.py) goes on with its lease's renewal. KEYS[1..3]: worker key, routing hash, workers

@@ -17,10 +17,11 @@ INTERACTIVE_LEAD_MS of fair time, which bounds how long batch work can be passed
 behind no interactive job whose fair start is that much later than its own, so with each tenant's
 interactive clock moving on by every job it sends, batch work never starves.
 
-The routing rules are those of `common/routing.py` (the reference, also used by recovery), carried out
-in Lua: rendezvous ranking by sha1(key NUL worker id), the bounded-load walk over jobs waiting for a
-slot (⌈c·(total + 1)/n⌉), then admission by `WorkerInfo.expected_finish` (an interactive job counts
-only the interactive jobs queued ahead of it). tests/test_dispatch.py holds the two to the same choices."""
+The routing rules, carried out in Lua: rendezvous ranking by sha1(key NUL worker id) (common/routing.py's
+`rank_workers`, which recovery uses), the bounded-load walk over jobs waiting for a slot
+(⌈c·(total + 1)/n⌉), then admission by expected finish (an interactive job counts only the interactive
+jobs queued ahead of it). Their Python reference is tests/routing_reference.py; tests/test_dispatch.py
+holds the two to the same choices."""
 
 from __future__ import annotations
 

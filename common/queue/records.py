@@ -147,11 +147,8 @@ class JobRecord:
 
     id: str
     status: JobStatus
-    request_id: str
     created_at: float
     deadline_at: float
-    queue: str
-    worker: str | None
     outcome: JobOutcome | None
     tenant: str = DEFAULT_TENANT  # who submitted it: only they may read or cancel it
     attempts: int = 0  # times a worker started it (more than one after an engine failure or a crash)
@@ -233,11 +230,8 @@ def _record(job_id: str, fields: dict[str, Any]) -> JobRecord:
     return JobRecord(
         id=job_id,
         status=JobStatus(fields["status"]),
-        request_id=fields.get("request_id", ""),
         created_at=float(fields.get("created_at", 0.0)),
         deadline_at=float(fields.get("deadline_at", 0.0)),
-        queue=fields.get("queue", ""),
-        worker=fields.get("worker"),
         outcome=JobOutcome.model_validate(orjson.loads(outcome)) if outcome else None,
         tenant=fields.get("tenant", DEFAULT_TENANT),
         attempts=int(fields.get("attempts", 0)),
