@@ -28,7 +28,7 @@ async def client(smollm2_compiler: PromptCompiler) -> AsyncIterator[httpx.AsyncC
     app = create_app(settings)
     # Only what the refusals below reach: no route gets as far as the queue.
     preparer = JobPreparer(settings, smollm2_compiler)
-    app.state.services = Services(settings, preparer, None, None, None, time.time())  # type: ignore[arg-type]
+    app.state.services = Services(settings, preparer, None, time.time())  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
         yield http
 
