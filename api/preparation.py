@@ -1,4 +1,4 @@
-"""From a validated request to an `EvaluationJob`: limits, the prompt compiled and tokenized once,
+"""From a validated request to an `JobSpec`: limits, the prompt compiled and tokenized once,
 token budgets checked. Everything here runs before any GPU work, and refuses with a 4xx."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from api.errors import UnknownModel, invalid
 from common.calibration import Calibration, question_key
 from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
-from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, EvaluationJob, JobIds
+from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, JobIds, JobSpec
 from common.prompt import CompiledPrompt, PrefixTooLong, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
@@ -42,7 +42,7 @@ class JobPreparer:
                 raise invalid(["questions", qid, "criteria"], f"{options} options exceed the limit of "
                               f"{self.max_options} per question")
 
-    def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> EvaluationJob:
+    def prepare(self, request: SystemOneRequest, request_id: str, timeout: float) -> JobSpec:
         """Compile, tokenize and budget the request; raises a 422 for anything over a limit."""
         try:
             compiled = self.compiler.compile(request, self._rotations(request), self._group_size(request),
@@ -59,7 +59,7 @@ class JobPreparer:
         levels = {qid: q.criteria for qid, q in request.questions.items() if isinstance(q, ScoreQuestion)}
         # Questions calibrated on their own are found by their key; no digest is computed when none are.
         keys = {qid: question_key(q) for qid, q in request.questions.items()} if self.calibration.questions else {}
-        return EvaluationJob(
+        return JobSpec(
             version=GROUPED_JOB_RECORD_VERSION if compiled.final_rounds else JOB_RECORD_VERSION,
             id=self.job_ids.new(now),
             request_id=request_id,

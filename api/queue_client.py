@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost, TenantLimited
-from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane, serialize
+from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
 from common.queue import keys
 from common.queue.limits import TenantLimiter
 from common.queue.membership import Backlog, BacklogReader, WorkerInfo, fleet
@@ -85,7 +85,7 @@ class Submitted:
     held: str | None = None
 
 
-def admission_of(tenant: Tenant, job: EvaluationJob, lane: Lane, sync: bool) -> Admission:
+def admission_of(tenant: Tenant, job: JobSpec, lane: Lane, sync: bool) -> Admission:
     """How `tenant`'s `job` queues: its limits, its weight, its lane and its cost in engine prompts."""
     return Admission(tenant=tenant.name, lane=lane, sync=sync,
                      prompts=1 + len(job.branches) + len(job.final_rounds), weight=tenant.weight,
@@ -119,7 +119,7 @@ class JobQueue:
             waiting = await self.backlog_reader.read([w.queue for w in workers])
         return {w.id: waiting[w.queue] for w in workers}
 
-    async def submit(self, job: EvaluationJob, admission: Admission = Admission(),
+    async def submit(self, job: JobSpec, admission: Admission = Admission(),
                      idempotency: IdempotencyClaim | None = None) -> Submitted:
         """Place `job` in one step (with its idempotency claim, if any), as `admission` says: for its
         tenant (429 at one of its limits), in its lane. A sync job's record is kept only briefly past its
@@ -155,7 +155,7 @@ class JobQueue:
         raise Overloaded(f"every worker's queue would finish this request after its deadline "
                          f"({remaining:.0f} s); retry in {retry} s", {"Retry-After": str(retry)})
 
-    async def run(self, job: EvaluationJob, timeout: float,
+    async def run(self, job: JobSpec, timeout: float,
                   admission: Admission = Admission(lane=Lane.interactive, sync=True)) -> JobOutcome | None:
         """Submit `job` as a sync job (`admission`: whose, in which lane) and wait for its outcome, which
         is then removed from Redis (no one else can read it); None if `timeout` seconds pass first;

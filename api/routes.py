@@ -19,7 +19,7 @@ from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.queue_client import admission_of
 from common.contract import EXAMPLE_REQUEST, ModelList, SystemOneRequest, SystemOneResponse
-from common.jobs import EvaluationJob, JobOutcome, JobStatus, Lane
+from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
 from common.queue.placement import Admission
 
 router = APIRouter()
@@ -52,7 +52,7 @@ async def systemone(request: Request,
     return JSONResponse(outcome.result, headers=_result_headers(outcome, prepare_seconds))
 
 
-async def _run_unless_disconnected(request: Request, job: EvaluationJob, admission: Admission) -> JobOutcome | None:
+async def _run_unless_disconnected(request: Request, job: JobSpec, admission: Admission) -> JobOutcome | None:
     """Submit the job and return its outcome; None past its deadline. A client that hangs up ends
     it as cancelled (499), once: ClientDisconnected carries that to the log and the metrics."""
     queue = request.app.state.services.queue
@@ -71,7 +71,7 @@ async def _run_unless_disconnected(request: Request, job: EvaluationJob, admissi
     return waiting.result()
 
 
-async def _end(request: Request, job: EvaluationJob, status: JobStatus, error_type: str, message: str,
+async def _end(request: Request, job: JobSpec, status: JobStatus, error_type: str, message: str,
                http_status: int) -> None:
     """End a job this route gives up on, counting the ending here if this call made it."""
     if await request.app.state.services.queue.cancel(job.id, status, error_type, message, http_status):

@@ -46,7 +46,7 @@ from harness.stacks import model_cache_dir
 from openjev.embedded_redis import start_redis
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineClient
-from worker.evaluation import JobEvaluation
+from worker.evaluation import JobExecution
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,7 +99,7 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
 
     async def direct() -> None:
         job = preparer.prepare(request, "req_bench", 60)
-        evaluation = await JobEvaluation(job, engine, slots).run()
+        evaluation = await JobExecution(job, engine, slots).run()
         direct_engine.append(evaluation.prefill_seconds + evaluation.branches_seconds)
 
     stages: list[tuple[float, float, float, float]] = []  # (to the worker, worker besides the engine, back, engine) s

@@ -86,7 +86,7 @@ class FinalRound(BaseModel):
         return len(self.head_ids) + labels + sum(longest) + len(self.tail_ids)
 
 
-class EvaluationJob(BaseModel):
+class JobSpec(BaseModel):
     """Everything a worker needs to evaluate one request; never contains client JSON to parse."""
 
     version: Literal[1, 2] = JOB_RECORD_VERSION

@@ -12,7 +12,7 @@ import pytest_asyncio
 from arq.connections import ArqRedis, RedisSettings, create_pool
 
 from api.queue_client import CompletionWaiter, JobQueue
-from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
+from common.jobs import JobOutcome, JobSpec, JobStatus, deserialize, serialize
 from common.queue import keys
 from common.queue.membership import WorkerInfo, heartbeat
 from common.queue.records import SYNC_ANSWERED_KEEP, JobStore
@@ -42,9 +42,9 @@ class CountingStore(JobStore):
         return await super().collect(job_id)
 
 
-def job(job_id: str) -> EvaluationJob:
+def job(job_id: str) -> JobSpec:
     now = time.time()
-    return EvaluationJob(id=job_id, request_id="req_" + job_id, model="m", prefix_ids=[1, 2, 3], prefix_hash="k",
+    return JobSpec(id=job_id, request_id="req_" + job_id, model="m", prefix_ids=[1, 2, 3], prefix_hash="k",
                          branches=[], created_at=now, deadline_at=now + 30, temperature=1.0,
                          confidence=ConfidenceMode.typesafe)
 

@@ -20,7 +20,7 @@ import redis
 
 from api.preparation import JobPreparer
 from common.contract import SystemOneRequest
-from common.jobs import EvaluationJob
+from common.jobs import JobSpec
 from common.prompt import PromptCompiler
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
@@ -55,7 +55,7 @@ class Fleet:
     log_dir: Path
     preparer: JobPreparer
 
-    def job(self, state: str) -> EvaluationJob:
+    def job(self, state: str) -> JobSpec:
         """The job an API makes of `state`, prepared here by the same code."""
         return self.preparer.prepare(SystemOneRequest.model_validate(request_for(state)), "req_test", 60)
 

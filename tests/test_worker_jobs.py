@@ -15,7 +15,7 @@ from redis import Redis
 
 from api.preparation import JobPreparer
 from common.contract import EXAMPLE_REQUEST, SystemOneRequest
-from common.jobs import EvaluationJob, JobStatus, serialize
+from common.jobs import JobSpec, JobStatus, serialize
 from common.prompt import PromptCompiler
 from common.queue import keys
 from common.settings import Settings
@@ -42,11 +42,11 @@ def preparer(smollm2_compiler: PromptCompiler) -> JobPreparer:
     return JobPreparer(Settings(), smollm2_compiler)
 
 
-def new_job(preparer: JobPreparer) -> EvaluationJob:
+def new_job(preparer: JobPreparer) -> JobSpec:
     return preparer.prepare(SystemOneRequest.model_validate(EXAMPLE_REQUEST), "req_worker_test", 30)
 
 
-def put(redis: Redis, job: EvaluationJob, payload: bytes | None = None, placement: int = 1) -> str:
+def put(redis: Redis, job: JobSpec, payload: bytes | None = None, placement: int = 1) -> str:
     """Record and enqueue `job` on the worker's queue as the API does (or with another payload); the
     record names `placement`, the queue holds placement 1. Returns the queued arq job id."""
     if payload is None:

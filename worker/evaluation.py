@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from common.jobs import Branch, EvaluationJob, Timings
+from common.jobs import Branch, JobSpec, Timings
 from common.scoring import final_round_branches, question_answers
 from worker.branch_slots import BranchSlots
 from worker.engine_client import BranchPrompt, EngineClient, GenerateResult, SharedPrefix
@@ -19,7 +19,7 @@ DEFAULT_BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
-class Evaluation:
+class ExecutionResult:
     """The response body plus the figures the API reports in headers."""
 
     body: dict
@@ -36,13 +36,16 @@ class Evaluation:
         return _sum_or_none([r.cached_tokens for r in self.branch_calls])
 
 
-class JobEvaluation:
+class JobExecution:
     """Runs one job against one engine; `run()` either returns answers or leaves nothing live."""
 
-    def __init__(self, job: EvaluationJob, engine: EngineClient, slots: BranchSlots, max_new_tokens: int = 1,
-                 batch_size: int = DEFAULT_BATCH_SIZE) -> None:
-        """`batch_size`: the most branches sent in one engine call (1: one call per branch)."""
+    def __init__(self, job: JobSpec, engine: EngineClient, slots: BranchSlots, max_new_tokens: int = 1,
+                 batch_size: int = DEFAULT_BATCH_SIZE, placement_id: str | None = None) -> None:
+        """`batch_size`: the most branches sent in one engine call (1: one call per branch).
+        `placement_id`: the queue placement being run (default: the job's id); its engine rids and its
+        slot grants are named after it, so a job run again never shares a rid with its earlier run."""
         self.job = job
+        self.placement_id = placement_id or job.id
         self.engine = engine
         self.slots = slots
         self.max_new_tokens = max_new_tokens
@@ -51,7 +54,7 @@ class JobEvaluation:
         self.aborts_sent = 0  # abort requests sent for this job's live calls
         self.call_sizes: list[int] = []  # prompts per branch call sent
 
-    async def run(self) -> Evaluation:
+    async def run(self) -> ExecutionResult:
         """Evaluate before the job's deadline (TimeoutError past it)."""
         try:
             async with asyncio.timeout(self.job.remaining()):
@@ -60,10 +63,10 @@ class JobEvaluation:
             await asyncio.shield(self._abort_live())
             raise
 
-    async def _evaluate(self) -> Evaluation:
+    async def _evaluate(self) -> ExecutionResult:
         started = time.perf_counter()
         prefix = SharedPrefix(self.job.prefix_ids)
-        rid = f"{self.job.id}.warm"
+        rid = f"{self.placement_id}.warm"
         self._live.add(rid)
         warm = await self.engine.warm(prefix, rid, self.job.remaining())
         self._live.discard(rid)  # only on an answer: a failed or cancelled call stays to be aborted
@@ -76,7 +79,7 @@ class JobEvaluation:
             results += await self._score_branches(prefix, finals, first=len(branches))
             branches = [*branches, *finals]
         done = time.perf_counter()
-        return Evaluation(
+        return ExecutionResult(
             body=self._response_body(warm, branches, results),
             prefix_tokens=len(self.job.prefix_ids),
             warm_call=warm,
@@ -90,7 +93,7 @@ class JobEvaluation:
                               ) -> list[GenerateResult]:
         """Every branch's result, in branch order (rids numbered from `first`). Slots are asked for while
         earlier calls run; the first failure cancels the rest (TaskGroup) and is raised as itself."""
-        prompts = [BranchPrompt(f"{self.job.id}.b{i}", b.suffix_ids, b.label_ids)
+        prompts = [BranchPrompt(f"{self.placement_id}.b{i}", b.suffix_ids, b.label_ids)
                    for i, b in enumerate(branches, start=first)]
         results: list[GenerateResult] = []
         try:
@@ -98,7 +101,7 @@ class JobEvaluation:
                 calls = []
                 sent = 0
                 while sent < len(prompts):
-                    granted = await self.slots.acquire(self.job.id, min(self.batch_size, len(prompts) - sent))
+                    granted = await self.slots.acquire(self.placement_id, min(self.batch_size, len(prompts) - sent))
                     call = group.create_task(self._score_batch(prefix, prompts[sent:sent + granted]))
                     # A done callback runs even for a task cancelled before it started: the slots always return.
                     call.add_done_callback(lambda _, n=granted: self.slots.release(n))
@@ -134,7 +137,7 @@ class JobEvaluation:
         }
 
 
-def outcome_timings(job: EvaluationJob, picked_at: float, evaluation: Evaluation) -> Timings:
+def outcome_timings(job: JobSpec, picked_at: float, evaluation: ExecutionResult) -> Timings:
     """Stage durations for `Server-Timing` (prepare is measured by the API)."""
     return Timings(queue=max(0.0, picked_at - job.created_at), prefill=evaluation.prefill_seconds,
                    branches=evaluation.branches_seconds)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common.jobs import EvaluationJob, JobOutcome, JobStatus, deserialize, serialize
+from common.jobs import JobOutcome, JobSpec, JobStatus, deserialize, serialize
 from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
 from common.queue.membership import (
@@ -41,7 +41,7 @@ from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError, EngineUnavailable
 from worker.engine_health import EngineHealth, HealthPolicy
-from worker.evaluation import JobEvaluation, outcome_timings
+from worker.evaluation import JobExecution, outcome_timings
 from worker.fencing import RunningJobs, StopReason, take_back
 from worker.sglang_launcher import needs_warm_label_logprobs
 from worker.wakeups import WakeUps
@@ -110,10 +110,10 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         return
     picked_at = time.time()
     running = state.running
-    job: EvaluationJob | None = None
+    job: JobSpec | None = None
     try:
         with running.running(arq_job_id):
-            job = EvaluationJob.model_validate(payload)
+            job = JobSpec.model_validate(payload)
             outcome = await _outcome(state, job, arq_job_id, ctx["job_try"], started, picked_at)
     except asyncio.CancelledError:
         reason = running.stopped_because(arq_job_id)
@@ -141,7 +141,7 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
         _log_job(job, outcome, stored)  # after the answer went out: logging is not on the caller's path
 
 
-async def _outcome(state: WorkerState, job: EvaluationJob, arq_job_id: str, job_try: int, started: Started,
+async def _outcome(state: WorkerState, job: JobSpec, arq_job_id: str, job_try: int, started: Started,
                    picked_at: float) -> JobOutcome:
     """`job_try`: arq's count of this placement's tries (one more each time its worker died under it)."""
     if started.remaining <= 0:
@@ -151,14 +151,13 @@ async def _outcome(state: WorkerState, job: EvaluationJob, arq_job_id: str, job_
         log.error("job %s: interrupted %d times; not run again", job.id, job_try - 1)
         return _failure(JobStatus.failed, 500, "api_error",
                         f"the job was interrupted {job_try - 1} times; it was not run again", state)
-    # The job on this host's clock (Redis's clock said how long it waited and how long it has left),
-    # under its placement's id, so its engine rids are this placement's own.
-    local = job.model_copy(update={"id": arq_job_id, "created_at": picked_at - started.waited,
+    # The job on this host's clock (Redis's clock said how long it waited and how long it has left).
+    local = job.model_copy(update={"created_at": picked_at - started.waited,
                                    "deadline_at": picked_at + started.remaining})
     info = state.info
     info.running += 1
     try:
-        outcome = await _run(state, local, picked_at, started.attempts)
+        outcome = await _run(state, local, arq_job_id, picked_at, started.attempts)
     finally:
         info.running -= 1
     if outcome.status is JobStatus.succeeded:
@@ -168,13 +167,13 @@ async def _outcome(state: WorkerState, job: EvaluationJob, arq_job_id: str, job_
     return outcome
 
 
-async def _run(state: WorkerState, job: EvaluationJob, picked_at: float, attempt: int) -> JobOutcome:
+async def _run(state: WorkerState, job: JobSpec, placement_id: str, picked_at: float, attempt: int) -> JobOutcome:
     """Evaluate; every way it can end becomes an outcome (a cancellation still propagates), except an
     engine failure with starts to spare, which raises RunAgain."""
     counters: WorkerCounters = state.info.counters
     settings = state.settings
-    evaluation = JobEvaluation(job, state.engine, state.slots, settings.branch_max_new_tokens,
-                               settings.branch_batch_size)
+    evaluation = JobExecution(job, state.engine, state.slots, settings.branch_max_new_tokens,
+                              settings.branch_batch_size, placement_id)
     try:
         result = await evaluation.run()
     except TimeoutError:
@@ -223,7 +222,7 @@ async def _run_again(state: WorkerState, arq_job_id: str, started: Started, reas
                        "queue": rerun.queue})
 
 
-def _log_job(job: EvaluationJob, outcome: JobOutcome, stored: bool) -> None:
+def _log_job(job: JobSpec, outcome: JobOutcome, stored: bool) -> None:
     """One event per job: ids, outcome and stage figures; never the prompt or the answers."""
     t = outcome.timings
     level = logging.INFO if outcome.status is JobStatus.succeeded and stored else logging.WARNING

@@ -102,7 +102,7 @@ class StepRequest:
 
 
 @dataclass
-class Job:
+class QueuedStep:
     """A StepRequest on its way through the queue."""
 
     step: StepRequest
@@ -233,12 +233,12 @@ class ComputeQueue:
         self.cache = PrefixCache(cache_tokens)
         self.compute_delay = compute_delay
         self.stats = EngineStats()
-        self._live: dict[str, Job] = {}
-        self._computing: list[Job] = []  # the group the thread computes now (the thread writes it)
+        self._live: dict[str, QueuedStep] = {}
+        self._computing: list[QueuedStep] = []  # the group the thread computes now (the thread writes it)
         for module in model.model.modules():
             if type(module).__name__.endswith("DecoderLayer"):  # LlamaDecoderLayer, Qwen2DecoderLayer, ...
                 module.register_forward_pre_hook(self._stop_if_aborted)
-        self._calls: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[list[QueuedStep] | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="cpu-engine-compute", daemon=True)
 
@@ -260,14 +260,14 @@ class ComputeQueue:
         """Prompts admitted and not yet answered."""
         return len(self._live)
 
-    def submit(self, steps: list[StepRequest]) -> list[Job]:
+    def submit(self, steps: list[StepRequest]) -> list[QueuedStep]:
         """Queue the prompts of one call (event loop only); raises BadRequest for a rid already live."""
         clash = [s.rid for s in steps if s.rid in self._live]
         if clash:
             raise BadRequest(f"rid {clash[0]!r} is already live")
         jobs = []
         for step in steps:
-            job = Job(step, asyncio.get_running_loop().create_future(), time.monotonic())
+            job = QueuedStep(step, asyncio.get_running_loop().create_future(), time.monotonic())
             self._live[step.rid] = job
             self.stats.requests_received += 1
             jobs.append(job)
@@ -289,7 +289,7 @@ class ComputeQueue:
         for rid in list(self._live):
             self.abort(rid, message)
 
-    def _settle(self, job: Job, body: dict[str, Any] | BaseException) -> None:
+    def _settle(self, job: QueuedStep, body: dict[str, Any] | BaseException) -> None:
         # Runs on the event loop: the one place a job ends, so each ends once and is counted once.
         if self._live.get(job.step.rid) is job:
             del self._live[job.step.rid]
@@ -332,7 +332,7 @@ class ComputeQueue:
                     if body is not None:
                         self._loop.call_soon_threadsafe(self._settle, job, body)
 
-    def _delay(self, call: list[Job]) -> None:
+    def _delay(self, call: list[QueuedStep]) -> None:
         """Sleep `compute_delay` per prompt, or less once every prompt of the call is aborted."""
         deadline = time.monotonic() + self.compute_delay * len(call)
         for job in call:  # waits on each prompt in turn: an abort of all of them ends the wait early
@@ -341,7 +341,7 @@ class ComputeQueue:
                 return
             job.cancelled.wait(remaining)
 
-    def _compute(self, group: list[Job]) -> Iterator[dict[str, Any] | None]:
+    def _compute(self, group: list[QueuedStep]) -> Iterator[dict[str, Any] | None]:
         """Answers for prompts under one salt: the start they share (up to what each may reuse) is looked
         up in the cache and the rest of it computed once; their tails after it in the same pass."""
         steps = [job.step for job in group]
@@ -391,7 +391,7 @@ def _reuse_limit(step: StepRequest) -> int:
     return limit
 
 
-def _groups(jobs: list[Job]) -> Iterator[list[Job]]:
+def _groups(jobs: list[QueuedStep]) -> Iterator[list[QueuedStep]]:
     """Consecutive prompts under one salt, in chunks that pack at most PACKED_TOKENS tokens of their own
     (what each has beyond its start in common with the first; the shared start is not counted)."""
     for _, same_salt in itertools.groupby(jobs, key=lambda job: job.step.salt):
@@ -454,7 +454,7 @@ def _error(status: int, message: str) -> JSONResponse:
                         status_code=status)
 
 
-async def _await_answers(request: Request, compute: ComputeQueue, jobs: list[Job]) -> None:
+async def _await_answers(request: Request, compute: ComputeQueue, jobs: list[QueuedStep]) -> None:
     """Wait for every job; abort the rest if the client goes away, so no compute is spent on it."""
     pending = {job.future for job in jobs}
     while pending:
