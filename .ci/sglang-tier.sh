@@ -6,8 +6,8 @@
 # with the CPU build of torch. About 4 GB of RAM while a server runs; one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export UV_FIND_LINKS="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}" UV_COMPILE_BYTECODE=1
-bash deploy/install_sglang_cpu.sh .cache/sglang-venv
+# The installer's own find-links only: the project's `uv run` below keeps to uv.lock.
+UV_FIND_LINKS="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}" UV_COMPILE_BYTECODE=1 bash deploy/install_sglang_cpu.sh .cache/sglang-venv
 export OPENJEV_TEST_SGLANG_PYTHON="$PWD/.cache/sglang-venv/bin/python"
 export OPENJEV_REQUIRE_SGLANG=1
 uv run --extra cpu --extra dev pytest -m sglang "$@"

@@ -82,6 +82,23 @@ def test_arq_and_uvicorn_are_pinned_exactly_to_the_installed_releases() -> None:
         assert requirement.specifier.contains(version(name))
 
 
+def test_uv_lock_is_committed_and_installed_with_relative_sources_only() -> None:
+    """uv.lock pins what every install gets (README "Installs are locked"): the lock is checked in, the
+    environment the tests run in holds its releases, and no source in it names a folder of one machine."""
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    locked = {}
+    for package in lock["package"]:
+        locked.setdefault(package["name"], set()).add(package["version"])
+        source = package.get("source", {})
+        for kind in ("registry", "path", "directory", "editable"):
+            where = source.get(kind, "")
+            assert not where.startswith("/") and not where.startswith("file:"), (package["name"], source)
+    for name in ("arq", "uvicorn", "fastapi", "redis", "httpx", "pydantic", "transformers", "torch"):
+        assert version(name) in locked[name], (name, version(name), locked[name])
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert "uv.lock" not in gitignore
+
+
 async def test_the_installed_arq_reads_the_job_layout_the_queue_writes(redis) -> None:
     """A job placed by the queue's own script is, to arq's public reader, a queued job of the evaluate
     function with the job as its one argument, under the placement's arq job id."""
