@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.calibration import apply_temperature
+from common.contract import ChoiceAnswer, NoulAnswer, ScoreAnswer
 from common.jobs import Branch, FinalRound
 from common.settings import ConfidenceMode
 
@@ -67,37 +68,28 @@ def entropy_confidence(probabilities: list[float]) -> float:
     return _unit(1.0 - entropy / math.log(n))
 
 
-def noul_answer(dist: LabelDistribution) -> dict[str, Any]:
+def noul_answer(dist: LabelDistribution) -> NoulAnswer:
     """P(true); the true label is offered first."""
-    return {"type": "noul", "noul": _unit(dist.probabilities[0]), "x_label_mass": dist.label_mass}
+    return NoulAnswer(noul=_unit(dist.probabilities[0]), x_label_mass=dist.label_mass)
 
 
-def choice_answer(dist: LabelDistribution, options: list[str], mode: ConfidenceMode) -> dict[str, Any]:
+def choice_answer(dist: LabelDistribution, options: list[str], mode: ConfidenceMode) -> ChoiceAnswer:
     """The argmax option (first wins a tie), the distribution keyed by option name, and confidence."""
     probs = dist.probabilities
     best = max(range(len(probs)), key=probs.__getitem__)
     confidence = choice_confidence(probs) if mode is ConfidenceMode.typesafe else entropy_confidence(probs)
-    return {
-        "type": "choice",
-        "choice": options[best],
-        "probabilities": dict(zip(options, probs, strict=True)),
-        "confidence": confidence,
-        "x_label_mass": dist.label_mass,
-    }
+    return ChoiceAnswer(choice=options[best], probabilities=dict(zip(options, probs, strict=True)),
+                        confidence=confidence, x_label_mass=dist.label_mass)
 
 
-def score_answer(dist: LabelDistribution, legend: list[Any], mode: ConfidenceMode) -> dict[str, Any]:
+def score_answer(dist: LabelDistribution, legend: list[Any], mode: ConfidenceMode) -> ScoreAnswer:
     """The expected level Σ i·pᵢ, the legend echoed unchanged, the distribution and confidence."""
     probs = dist.probabilities
     confidence = score_confidence(probs) if mode is ConfidenceMode.typesafe else entropy_confidence(probs)
-    return {
-        "type": "score",
-        "score": min(float(len(probs) - 1), max(0.0, math.fsum(i * p for i, p in enumerate(probs)))),
-        "legend": {str(i): level for i, level in enumerate(legend)},
-        "probabilities": {str(i): p for i, p in enumerate(probs)},
-        "confidence": confidence,
-        "x_label_mass": dist.label_mass,
-    }
+    return ScoreAnswer(score=min(float(len(probs) - 1), max(0.0, math.fsum(i * p for i, p in enumerate(probs)))),
+                       legend={str(i): level for i, level in enumerate(legend)},
+                       probabilities={str(i): p for i, p in enumerate(probs)},
+                       confidence=confidence, x_label_mass=dist.label_mass)
 
 
 def _unit(x: float) -> float:
@@ -105,7 +97,7 @@ def _unit(x: float) -> float:
 
 
 def question_answers(branches: Sequence[Branch], label_logprobs: Sequence[list[float]], temperature: float,
-                     mode: ConfidenceMode) -> dict[str, dict[str, Any]]:
+                     mode: ConfidenceMode) -> dict[str, NoulAnswer | ChoiceAnswer | ScoreAnswer]:
     """Answers keyed by question id, from each branch's label logprobs; a question's rotation branches
     (label-order debiasing) are averaged per option, a grouped question's rounds are combined
     (`grouped_distribution`), then its fitted temperature (and prior) is applied."""
@@ -178,7 +170,8 @@ def _groups(group: Sequence[tuple[Branch, LabelDistribution]]
     return rotations
 
 
-def _answer(group: list[tuple[Branch, LabelDistribution]], mode: ConfidenceMode) -> dict[str, Any]:
+def _answer(group: list[tuple[Branch, LabelDistribution]], mode: ConfidenceMode
+            ) -> NoulAnswer | ChoiceAnswer | ScoreAnswer:
     branch = group[0][0]
     if any(b.group is not None for b, _ in group):
         dist = grouped_distribution(group)

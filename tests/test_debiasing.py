@@ -66,7 +66,7 @@ def test_averaged_rotations_report_each_option_under_its_own_name() -> None:
                        option_order=order) for order in ([0, 1], [1, 0])]
     logprobs = [[-0.10536, -2.30259]] * 2  # ln 0.9, ln 0.1
     answer = question_answers(branches, logprobs, 1.0, ConfidenceMode.typesafe)["q"]
-    assert answer["probabilities"] == pytest.approx({"x": 0.5, "y": 0.5}, abs=1e-4)
+    assert answer.probabilities == pytest.approx({"x": 0.5, "y": 0.5}, abs=1e-4)
 
 
 @pytest.mark.integration

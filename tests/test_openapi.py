@@ -119,7 +119,35 @@ def test_every_field_an_answer_carries_is_declared_in_the_schema() -> None:
              ScoreAnswer: score_answer(dist, ["low", "mid", "high"], ConfidenceMode.typesafe)}
     components = schema()["components"]["schemas"]
     for model, answer in built.items():
+        assert type(answer) is model
+        body = answer.model_dump()
         declared = set(components[model.__name__]["properties"])
-        assert set(answer) == declared, (model.__name__, set(answer) ^ declared)
-        assert model.model_validate(answer).model_dump() == answer
-    assert 0 < built[NoulAnswer]["x_label_mass"] <= 1
+        assert set(body) == declared, (model.__name__, set(body) ^ declared)
+        assert body["x_label_mass"] is not None
+    assert 0 < built[NoulAnswer].x_label_mass <= 1
+
+
+def test_a_response_body_the_worker_builds_validates_against_the_served_schema() -> None:
+    """The worker builds the body through SystemOneResponse (worker/evaluation.py): every key it stores is
+    declared by the schema /openapi.json serves, the answers' `x_label_mass` included, and nothing is extra."""
+    from common.contract import SystemOneResponse
+    from common.jobs import Branch
+    from common.scoring import question_answers
+    from common.settings import ConfidenceMode
+
+    branches = [Branch(question_id="n", kind="noul", suffix_ids=[], label_ids=[1, 2], option_names=["true", "false"]),
+                Branch(question_id="c", kind="choice", suffix_ids=[], label_ids=[1, 2], option_names=["x", "y"]),
+                Branch(question_id="s", kind="score", suffix_ids=[], label_ids=[1, 2, 3], option_names=["0", "1", "2"],
+                       legend=["lo", "mid", "hi"])]
+    answers = question_answers(branches, [[-0.1, -2.5], [-1.0, -0.6], [-3.0, -0.2, -2.0]], 1.0,
+                               ConfidenceMode.typesafe)
+    body = SystemOneResponse(model="jev-latest", answers=answers,
+                             usage={"input_tokens": 10, "output_tokens": 4}).model_dump()
+    components = schema()["components"]["schemas"]
+    assert set(body) == set(components["SystemOneResponse"]["properties"])
+    for answer in body["answers"].values():
+        model = {"noul": "NoulAnswer", "choice": "ChoiceAnswer", "score": "ScoreAnswer"}[answer["type"]]
+        assert set(answer) == set(components[model]["properties"]), model
+        assert 0 < answer["x_label_mass"] <= 1
+    assert body["answers"]["s"]["legend"] == {"0": "lo", "1": "mid", "2": "hi"}
+    assert SystemOneResponse.model_validate(body).model_dump() == body

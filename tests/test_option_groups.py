@@ -145,8 +145,8 @@ def test_grouped_probabilities_are_the_final_rounds_times_the_groups() -> None:
     answer = question_answers([*first, last], [*logs, [math.log(0.6), math.log(0.4)]], 1.0,
                               ConfidenceMode.typesafe)["q"]
     # w 0.6·0.8, x 0.6·0.2, y 0.4·0.3, z 0.4·0.7
-    assert answer["probabilities"] == pytest.approx({"w": 0.48, "x": 0.12, "y": 0.12, "z": 0.28})
-    assert answer["choice"] == "w"
+    assert answer.probabilities == pytest.approx({"w": 0.48, "x": 0.12, "y": 0.12, "z": 0.28})
+    assert answer.choice == "w"
     dist = grouped_distribution([(b, label_distribution(lp)) for b, lp in
                                  zip([*first, last], [*logs, [math.log(0.6), math.log(0.4)]], strict=True)])
     assert math.fsum(dist.probabilities) == pytest.approx(1.0)

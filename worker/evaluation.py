@@ -10,6 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from common.contract import SystemOneResponse, Usage
 from common.jobs import Branch, JobSpec, Timings
 from common.scoring import final_round_branches, question_answers
 from worker.branch_slots import BranchSlots
@@ -130,11 +131,9 @@ class JobExecution:
         job = self.job
         answers = question_answers(branches, [r.label_logprobs for r in results], job.temperature, job.confidence)
         input_tokens = warm.prompt_tokens + sum(r.prompt_tokens for r in results)
-        return {
-            "model": job.model,
-            "answers": answers,
-            "usage": {"input_tokens": input_tokens, "output_tokens": len(results) + 1},
-        }
+        # Built through the contract's models, so the body is what the schema declares, field for field.
+        return SystemOneResponse(model=job.model, answers=answers,
+                                 usage=Usage(input_tokens=input_tokens, output_tokens=len(results) + 1)).model_dump()
 
 
 def outcome_timings(job: JobSpec, picked_at: float, evaluation: ExecutionResult) -> Timings:
