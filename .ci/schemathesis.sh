@@ -21,19 +21,14 @@ cd "$(dirname "$0")/.."
 ST_EXAMPLES="${ST_EXAMPLES:-25}"
 ST_SECONDS="${ST_SECONDS:-200}"
 WORK="$(mktemp -d)"
-SERVE_PID=""
 
-stop_serve() {
-    if [ -n "$SERVE_PID" ] && kill -0 "$SERVE_PID" 2>/dev/null; then
-        kill -TERM "$SERVE_PID"
-        wait "$SERVE_PID" || true
-    fi
-    SERVE_PID=""
-}
-trap stop_serve EXIT
-
+# The two runs go side by side, each against its own `openjev serve` (its own port, Redis and engine):
+# the CPU time of one is mostly waiting on the engine and on schemathesis itself, so together they take
+# the wall time of one. Each run stops its own server on any exit.
 fuzz() {  # fuzz NAME [API_KEY]
     local name="$1" key="${2:-}" port excluded=use_after_free
+    serve_pid=""  # not local: the subshell's EXIT trap reads it after the function has returned
+    trap 'if [ -n "$serve_pid" ] && kill -TERM "$serve_pid" 2>/dev/null; then wait "$serve_pid" || true; fi' EXIT
     port="$(uv run --extra cpu --extra dev python -c 'from openjev.embedded_redis import free_port; print(free_port())')"
     # Its own Redis data dir: jobs still queued when the fuzzing stops must not be resumed by the
     # next `openjev serve` on this machine (the default dir is the user's, under the cache dir).
@@ -41,11 +36,11 @@ fuzz() {  # fuzz NAME [API_KEY]
                 OPENJEV_REDIS_DIR="$WORK/redis-$name")
     [ -n "$key" ] && vars+=(OPENJEV_API_KEY="$key")
     env "${vars[@]}" uv run --extra cpu --extra dev openjev serve --port "$port" >"$WORK/serve-$name.log" 2>&1 &
-    SERVE_PID=$!
+    serve_pid=$!
     local url="http://127.0.0.1:$port"
     for _ in $(seq 600); do
         curl -sf "$url/health" >/dev/null && break
-        kill -0 "$SERVE_PID" 2>/dev/null || { tail -50 "$WORK/serve-$name.log"; exit 1; }
+        kill -0 "$serve_pid" 2>/dev/null || { tail -50 "$WORK/serve-$name.log"; exit 1; }
         sleep 1
     done
     local auth=()
@@ -61,9 +56,16 @@ fuzz() {  # fuzz NAME [API_KEY]
         tail -50 "$WORK/serve-$name.log"
         exit 1
     fi
-    stop_serve
 }
 
 unset OPENJEV_API_KEY
-fuzz no-key
-fuzz with-key "schemathesis-$RANDOM$RANDOM"
+( fuzz no-key ) >"$WORK/no-key.out" 2>&1 &
+no_key=$!
+( fuzz with-key "schemathesis-$RANDOM$RANDOM" ) >"$WORK/with-key.out" 2>&1 &
+with_key=$!
+status=0
+wait "$no_key" || status=1
+cat "$WORK/no-key.out"
+wait "$with_key" || status=1
+cat "$WORK/with-key.out"
+exit "$status"
