@@ -8,7 +8,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Body, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -16,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
 from api.queue_client import admission_of
-from common.contract import EXAMPLE_REQUEST, ErrorBody, ErrorDetail, SystemOneRequest, echo
+from api.strict_json import REQUEST_BODY_DOC, request_body
+from common.contract import ErrorBody, ErrorDetail, SystemOneRequest, echo
 from common.jobs import JobStatus, Lane
 from common.queue.placement import IdempotencyClaim
 from common.queue.records import JobRecord
@@ -48,9 +49,9 @@ class IdempotencyConflict(ApiError):
 
 
 @router.post("/v1/jobs", status_code=202, response_model=JobView,
-             summary="Submit an evaluation to run in the background")
+             summary="Submit an evaluation to run in the background", openapi_extra=REQUEST_BODY_DOC)
 async def submit_job(request: Request, response: Response,
-                     body: SystemOneRequest = Body(openapi_examples={"ticket": {"value": EXAMPLE_REQUEST}}),
+                     body: SystemOneRequest = Depends(request_body),
                      idempotency_key: str | None = Header(default=None, max_length=200,
                                                           description="Retries with the same key get the same job "
                                                           "(keys are per tenant)")

@@ -19,7 +19,7 @@ import zstandard
 from starlette.routing import compile_path
 
 from api.errors import error_body, send_json
-from api.strict_json import BodyRejected, read_json
+from api.strict_json import PARSED_BODY, BodyRejected, read_json
 from common.contract import ASSETS_REFUSED, echo
 from common.jobs import new_request_id
 
@@ -167,7 +167,10 @@ class BodyGate:
                 await send_json(send, 415, error_body("invalid_request_error", _not_json(content_type)))
                 return
             if _is_json(content_type):
-                _refuse_unnamed_images(read_json(body), images)
+                value = read_json(body)
+                _refuse_unnamed_images(value, images)
+                # The route validates this value (api/strict_json.py, request_body): parsed once.
+                scope.setdefault("state", {})[PARSED_BODY] = value
         except TimeoutError:
             await send_json(send, 408, error_body(
                 "request_timeout", f"the request body did not arrive within {self.timeout:g} s"),

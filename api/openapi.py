@@ -8,9 +8,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import TypeAdapter
 
 from api.auth import SUBMISSIONS, is_protected
-from common.contract import INTEGER_RANGE
+from common.contract import INTEGER_RANGE, SystemOneRequest
 from common.settings import Settings
 
 BEARER = "bearer"
@@ -36,8 +37,9 @@ _SYNC_QUEUE_DOWN = {503: "No live worker yet, the job queue is unreachable, or i
 _JOB_GONE = {404: "Unknown job, or its result expired",
              410: "The job was accepted and should still be kept, but the queue lost it: submit it again"}
 _EXTRA: dict[tuple[str, str], dict[int, str]] = {
-    ("post", "/v1/systemone"): {**_BODY_GATE, **_SYNC_QUEUE_DOWN, 502: "The engine failed or answered something that "
-                                "cannot be trusted", 504: "Deadline exceeded", 529: "Overloaded; see Retry-After"},
+    ("post", "/v1/systemone"): {422: "Validation Error", **_BODY_GATE, **_SYNC_QUEUE_DOWN,
+                                502: "The engine failed or answered something that cannot be trusted",
+                                504: "Deadline exceeded", 529: "Overloaded; see Retry-After"},
     ("post", "/v1/jobs"): {**_BODY_GATE, **_QUEUE_DOWN, 529: "Overloaded; see Retry-After",
                            200: "An idempotent replay: the job this Idempotency-Key already holds, as it stands now",
                            409: "This Idempotency-Key was used with a different body"},
@@ -62,6 +64,7 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
 def openapi_schema(app: FastAPI, settings: Settings) -> dict[str, Any]:
     """FastAPI's schema of the routes, completed with what the settings and the middleware decide."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    _request_components(schema["components"]["schemas"])
     _limit_request(schema["components"]["schemas"], settings)
     if _keyed(settings):
         schema["components"]["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
@@ -73,6 +76,17 @@ def openapi_schema(app: FastAPI, settings: Settings) -> dict[str, Any]:
 
 def _keyed(settings: Settings) -> bool:
     return settings.api_key is not None or settings.api_keys_file is not None
+
+
+def _request_components(components: dict[str, Any]) -> None:
+    """The request body's models, as FastAPI writes a body parameter's: the routes read the body through a
+    dependency (api/strict_json.py, `request_body`) and name it in `openapi_extra`, so FastAPI leaves them out."""
+    request = TypeAdapter(SystemOneRequest).json_schema(ref_template="#/components/schemas/{model}", mode="validation")
+    for name, definition in [*request.pop("$defs", {}).items(), (SystemOneRequest.__name__, request)]:
+        for field in definition.get("properties", {}).values():
+            if "default" in field and field["default"] is None:
+                del field["default"]  # as FastAPI writes an optional field: no `"default": null`
+        components.setdefault(name, definition)
 
 
 def _limit_request(components: dict[str, Any], settings: Settings) -> None:

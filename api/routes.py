@@ -9,7 +9,7 @@ import math
 import time
 from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
@@ -18,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.queue_client import admission_of
-from common.contract import EXAMPLE_REQUEST, ModelList, SystemOneRequest, SystemOneResponse
+from api.strict_json import REQUEST_BODY_DOC, request_body
+from common.contract import ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
 from common.queue.placement import Admission
 
@@ -26,9 +27,9 @@ router = APIRouter()
 
 
 @router.post("/v1/systemone", response_model=SystemOneResponse, tags=["System One"],
-             summary="Evaluate a state against named questions")
+             summary="Evaluate a state against named questions", openapi_extra=REQUEST_BODY_DOC)
 async def systemone(request: Request,
-                    body: SystemOneRequest = Body(openapi_examples={"ticket": {"value": EXAMPLE_REQUEST}})) -> Any:
+                    body: SystemOneRequest = Depends(request_body)) -> Any:
     """Answers every question from label log-probabilities after one shared prompt prefix."""
     services = request.app.state.services
     started = time.perf_counter()

@@ -77,3 +77,33 @@ def test_echo_keeps_short_strings_and_writes_lone_surrogates_out() -> None:
     assert echo("jev-latest") == "jev-latest"
     assert echo("x" * (ECHO_CHARS + 1)) == "x" * ECHO_CHARS + "…"
     assert echo("\udfff") == "\\udfff"
+
+
+@pytest.mark.parametrize("path", ["/v1/systemone", "/v1/jobs"])
+async def test_the_body_is_parsed_once_and_validated_from_that_value(client: httpx.AsyncClient, path: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """BodyGate's strict reader parses the body; the route validates the value it left (api/strict_json.py,
+    `request_body`). FastAPI's own parse (Starlette's `Request.json`) never runs, and the 422 keeps its shape."""
+    from starlette.requests import Request
+
+    import api.middleware
+
+    parses: list[bytes] = []
+    strict = api.middleware.read_json
+
+    def counted(raw: bytes) -> object:
+        parses.append(raw)
+        return strict(raw)
+
+    async def refused(self: Request) -> object:
+        raise AssertionError("the body was parsed a second time")
+
+    monkeypatch.setattr(api.middleware, "read_json", counted)
+    monkeypatch.setattr(Request, "json", refused)
+    r = await client.post(path, json=request_body(questions={"q": {"type": "bogus"}}))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"][:3] == ["body", "questions", "q"]
+    assert len(parses) == 1
+    r = await client.post(path, content=b"null", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json()["detail"] == [{"loc": ["body"], "msg": "Field required", "type": "missing"}]
