@@ -240,21 +240,3 @@ def test_a_failed_call_takes_the_engine_out_until_a_probe_gets_an_answer() -> No
     assert not engine.health.routable and not engine.health.answering.is_set()
     engine.probe(Probe.healthy, 0.01)
     assert engine.health.routable and engine.health.answering.is_set()
-
-
-async def test_the_probe_and_the_heartbeat_sleep_to_ticks_of_one_grid() -> None:
-    """`until_tick` is what both loops sleep (worker/runner.py `_keep_alive`, `EngineHealth.watch`): from any
-    moment, the wait ends on a multiple of the interval, so a 2 s probe and a 1 s or 2 s beat fire together."""
-    import asyncio
-
-    from worker.engine_health import until_tick
-
-    loop = asyncio.get_running_loop()
-    for interval in (0.5, 1.0, 2.0):
-        for _ in range(5):
-            now = loop.time()
-            wait = until_tick(interval)
-            assert 0 < wait <= interval
-            assert min((now + wait) % interval, interval - (now + wait) % interval) < 1e-3
-    slow, fast = until_tick(2.0), until_tick(1.0)  # the resting beat's (or probe's) tick, the busy beat's
-    assert slow == pytest.approx(fast, abs=1e-3) or slow == pytest.approx(fast + 1.0, abs=1e-3)

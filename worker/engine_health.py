@@ -24,13 +24,6 @@ log = logging.getLogger("openjev.worker")
 PROBE_KEEPALIVE = 4.0  # seconds an idle probe connection is kept
 
 
-def until_tick(interval: float) -> float:
-    """Seconds to the next multiple of `interval` on the running event loop's clock. The worker's timers
-    (the heartbeat, the engine probe) sleep to ticks of one grid, so at rest they fire in one wake-up of the
-    process instead of each on its own (README "At rest")."""
-    return interval - asyncio.get_running_loop().time() % interval
-
-
 class Probe(StrEnum):
     """How one health probe ended."""
 
@@ -44,7 +37,7 @@ class Probe(StrEnum):
 class HealthPolicy:
     """When probes happen and what their results mean."""
 
-    interval: float = 2.0  # probes start on ticks of this many seconds (the next tick after the last one ended)
+    interval: float = 2.0  # seconds from the end of one probe to the start of the next
     timeout: float = 30.0  # seconds a probe waits: above SGLang's own 20 s health check limit
     out_after_timeouts: float = 2.0  # unresponsive this many probe timeouts with no call worked on: out
     down_after_timeouts: float = 6.0  # ... this many: the engine is hung, given up
@@ -122,11 +115,10 @@ class EngineHealth:
         self._recheck.set()
 
     async def watch(self) -> None:
-        """Probe on schedule (on the tick grid the heartbeat shares), or at once after a `suspect`, until the
-        engine is down."""
+        """Probe on schedule, or at once after a `suspect`, until the engine is down."""
         while not self.down.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._recheck.wait(), until_tick(self.policy.interval))
+                await asyncio.wait_for(self._recheck.wait(), self.policy.interval)
             self._recheck.clear()
             result = await self.probe()
             if result is not Probe.healthy:

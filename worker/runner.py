@@ -40,7 +40,7 @@ from common.redis_connection import redis_connection
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
 from worker.engine_client import EngineAborted, EngineClient, EngineError, EngineUnavailable
-from worker.engine_health import EngineHealth, HealthPolicy, until_tick
+from worker.engine_health import EngineHealth, HealthPolicy
 from worker.evaluation import JobExecution, outcome_timings
 from worker.fencing import RunningJobs, StopReason, take_back
 from worker.sglang_launcher import needs_warm_label_logprobs
@@ -287,12 +287,11 @@ async def _keep_alive(state: WorkerState) -> None:
     heartbeat with the engine's last known health (probed on its own schedule, so a slow probe never
     delays a beat), the lease's renewal, and a look for vanished workers, whose jobs are moved in the
     background. Every second while jobs run, so the load the API routes by stays fresh; every two at
-    rest, where nothing but liveness changes; on ticks of the grid the engine probe shares (`until_tick`),
-    so both fire in one wake-up. Stops the worker when its engine is down or another
+    rest, where nothing but liveness changes. Stops the worker when its engine is down or another
     process holds its lease."""
     health, info = state.health, state.info
     while True:
-        await asyncio.sleep(until_tick(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL))
+        await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
         try:
             await _beat(state)
