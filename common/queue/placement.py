@@ -41,6 +41,7 @@ FAIR_ORIGIN_MS = 10**15  # scores are fair starts (virtual ms from 0) less this:
 INTERACTIVE_LEAD_MS = 30_000  # an interactive job is queued as if its fair start were this much earlier: it goes
 # before batch work, but never before a batch job whose fair start is this much earlier than its own
 PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt (warm call + branches), at weight 1
+BOUND_SLACK = 60  # seconds a bounded set's expiry is moved past the job that moves it (fewer EXPIREs)
 CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
 
 # KEYS[1] workers zset. ARGV (see `_args`): 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key,
@@ -154,15 +155,19 @@ if interactive then redis.call('ZADD', target.queue .. ':interactive', deadline,
 redis.call('ZADD', target.queue .. ':waiting', now, arq_id)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
 if ARGV[21] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
-local bounded = {tenant_jobs, tenant_async, target.queue .. ':waiting'}
-if interactive then bounded[4] = target.queue .. ':interactive' end
+-- The sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job needs,
+-- so the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
+local bounded = {tenant_jobs, target.queue .. ':waiting'}
+if ARGV[21] == 'async' then bounded[#bounded + 1] = tenant_async end
+if interactive then bounded[#bounded + 1] = target.queue .. ':interactive' end
 for _, key in ipairs(bounded) do
-  if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl) end
+  if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl + BOUND_SLACK) end
 end
 redis.call('PUBLISH', target.queue .. 'WAKE_SUFFIX', 'job ' .. arq_id .. ' ' .. score)
 if ARGV[13] ~= '' then redis.call('SET', ARGV[13], ARGV[8] .. ':' .. ARGV[14], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline)}
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace("TENANT_PREFIX", keys.TENANT_PREFIX)
+""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace(
+    "BOUND_SLACK", str(BOUND_SLACK))
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,13 @@ STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redi
 # (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's
 # clock. A running job is taken again only by its own placement (the worker that serves its queue restarted).
 _START = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
+                    'attempts')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now))
+local attempts = (tonumber(f[7]) or 0) + 1
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now), 'attempts', attempts)
 if f[5] then
   redis.call('ZREM', f[5] .. ':interactive', ARGV[1])
   redis.call('ZREM', f[5] .. ':waiting', ARGV[1])
@@ -52,18 +54,18 @@ if f[5] then
     redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
   end
 end
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 return {f[3], f[4], tostring(now), attempts}
 """.replace("CLOCK_TTL", str(CLOCK_TTL))
 
 
-def _leave_tenant_counts(tenant: str, job_id: str) -> str:
-    """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`: Lua
-    expressions for the record's tenant field and the job id)."""
+def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
+    """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`, `kind`:
+    Lua expressions for the record's tenant field, the job id and the record's kind; only an async job is
+    in the count of queued async jobs)."""
     return f"""
 if {tenant} then
   redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':jobs', {job_id})
-  redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id})
+  if {kind} ~= 'sync' then redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id}) end
 end"""
 
 
@@ -88,7 +90,8 @@ else
 end
 return 1
 """.replace("SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace("SYNC_KEEP", str(SYNC_KEEP)).replace(
-    "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace("END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]"))
+    "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
+    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]"))
 
 # KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
 # mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
@@ -120,7 +123,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - tonumber(ARGV[5]))
 if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]"))
 
 # KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
 _COLLECT = """
