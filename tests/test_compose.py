@@ -254,6 +254,11 @@ def test_api_and_worker_images_have_no_torch_and_no_cuda() -> None:
     instructions = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
     assert re.search(r"^FROM python:3\.11-slim$", instructions, re.MULTILINE)
     assert re.search(r"pip install \.(\s|$)", instructions)
+    # The API and worker images install what uv.lock pins, not a fresh resolution (README "Installs are locked").
+    assert re.search(r"^COPY pyproject\.toml uv\.lock ", instructions, re.MULTILINE)
+    assert re.search(r"uv export --frozen --no-dev .*-o (\S+).*pip install --require-hashes -r \1", instructions,
+                     re.DOTALL)
+    assert "pip install . --no-deps" in instructions
     assert "[cpu]" not in instructions and "torch==" not in instructions and "cuda" not in instructions.lower()
     for name in ("api", "worker-0", "worker-cpu", "api-cpu"):
         assert services()[name]["build"]["dockerfile"] == "deploy/Dockerfile"
