@@ -38,10 +38,18 @@ async def send_json(send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
 
 
 class ApiError(Exception):
-    """An error answered as `{"detail": {"error_type", "message"}}` with `status`."""
+    """An error answered as `{"detail": {"error_type", "message"}}` with `status`. A subclass names its
+    own in its class line: `class Overloaded(ApiError, status=529, error_type="overloaded_error")`."""
 
     status = 500
     error_type = "api_error"
+
+    def __init_subclass__(cls, status: int | None = None, error_type: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
+        if error_type is not None:
+            cls.error_type = error_type
 
     def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -57,85 +65,63 @@ class ApiError(Exception):
                         [(name.lower().encode(), value.encode()) for name, value in self.headers.items()])
 
 
-class UnknownModel(ApiError):
-    status = 400
-    error_type = "api_usage_error"
-
+class UnknownModel(ApiError, status=400, error_type="api_usage_error"):
     def __init__(self, name: str, accepted: str) -> None:
         super().__init__(f"Unknown model: {echo(name)}. This server accepts {accepted}; GET /v1/models lists them")
 
 
-class AuthenticationError(ApiError):
-    error_type = "authentication_error"
+class AuthenticationError(ApiError, error_type="authentication_error"):
+    """The request's API key is missing or wrong."""
 
 
-class MissingKey(AuthenticationError):
-    status = 403
+class MissingKey(AuthenticationError, status=403):
+    """No API key was sent."""
 
 
-class WrongKey(AuthenticationError):
-    status = 401
+class WrongKey(AuthenticationError, status=401):
+    """The API key sent is not one this server knows."""
 
 
-class NoWorker(ApiError):
-    status = 503
-    error_type = "unavailable_error"
+class NoWorker(ApiError, status=503, error_type="unavailable_error"):
+    """No worker has a fresh heartbeat and a healthy engine: nothing could run the job."""
 
 
-class QueueUnavailable(ApiError):
-    status = 503
-    error_type = "unavailable_error"
-
+class QueueUnavailable(ApiError, status=503, error_type="unavailable_error"):
     def __init__(self) -> None:
         super().__init__("the job queue is unreachable; retry shortly", {"Retry-After": "2"})
 
 
-class SyncJobLost(ApiError):
+class SyncJobLost(ApiError, status=503, error_type="unavailable_error"):
     """A sync request's job vanished from the queue while its caller waited (its Redis restarted
     without it, or lost its data): nothing will answer it, and sending it again is safe."""
-
-    status = 503
-    error_type = "unavailable_error"
 
     def __init__(self, job_id: str) -> None:
         super().__init__(f"the queue lost this request's job ({job_id}) before it was answered (its Redis "
                          "restarted without it); send the request again", {"Retry-After": "1"})
 
 
-class TenantLimited(ApiError):
+class TenantLimited(ApiError, status=429, error_type="rate_limit_error"):
     """The tenant is at one of its limits (common/tenants.py); other tenants are unaffected."""
 
-    status = 429
-    error_type = "rate_limit_error"
+
+class Overloaded(ApiError, status=529, error_type="overloaded_error"):
+    """No worker could finish the job before its deadline."""
 
 
-class Overloaded(ApiError):
-    status = 529
-    error_type = "overloaded_error"
+class DeadlineExceeded(ApiError, status=504, error_type="timeout_error"):
+    """The job did not end before its deadline."""
 
 
-class DeadlineExceeded(ApiError):
-    status = 504
-    error_type = "timeout_error"
-
-
-class ClientDisconnected(ApiError):
+class ClientDisconnected(ApiError, status=499, error_type="cancelled"):
     """The client hung up before its answer: nobody reads the response, but logs and metrics say 499."""
 
-    status = 499
-    error_type = "cancelled"
+
+class JobNotFound(ApiError, status=404, error_type="not_found_error"):
+    """No job of this tenant has this id (or it ended longer ago than its record is kept)."""
 
 
-class JobNotFound(ApiError):
-    status = 404
-    error_type = "not_found_error"
-
-
-class JobLost(ApiError):
+class JobLost(ApiError, status=410, error_type="job_lost_error"):
     """The job was accepted and its record should still be kept, but Redis no longer has it."""
-
-    status = 410
-    error_type = "job_lost_error"
 
 
 class JobFailed(ApiError):

@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
+from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
-from api.strict_json import REQUEST_BODY_DOC, request_body
 from common.contract import ErrorBody, ErrorDetail, SystemOneRequest, echo
 from common.jobs import JobStatus, Lane
 from common.queue.placement import IdempotencyClaim

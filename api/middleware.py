@@ -169,7 +169,7 @@ class BodyGate:
             if _is_json(content_type):
                 value = read_json(body)
                 _refuse_unnamed_images(value, images)
-                # The route validates this value (api/strict_json.py, request_body): parsed once.
+                # The route validates this value (api/preparation.py, request_body): parsed once.
                 scope.setdefault("state", {})[PARSED_BODY] = value
         except TimeoutError:
             await send_json(send, 408, error_body(

@@ -80,7 +80,7 @@ def _keyed(settings: Settings) -> bool:
 
 def _request_components(components: dict[str, Any]) -> None:
     """The request body's models, as FastAPI writes a body parameter's: the routes read the body through a
-    dependency (api/strict_json.py, `request_body`) and name it in `openapi_extra`, so FastAPI leaves them out."""
+    dependency (api/preparation.py, `request_body`) and name it in `openapi_extra`, so FastAPI leaves them out."""
     request = TypeAdapter(SystemOneRequest).json_schema(ref_template="#/components/schemas/{model}", mode="validation")
     for name, definition in [*request.pop("$defs", {}).items(), (SystemOneRequest.__name__, request)]:
         for field in definition.get("properties", {}).values():

@@ -1,17 +1,43 @@
-"""From a validated request to an `JobSpec`: limits, the prompt compiled and tokenized once,
-token budgets checked. Everything here runs before any GPU work, and refuses with a 4xx."""
+"""From the request body to a `JobSpec`: the body BodyGate parsed validated into the contract's request
+(`request_body`, the routes' dependency), limits, the prompt compiled and tokenized once, token budgets
+checked. Everything here runs before any GPU work, and refuses with a 4xx."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.errors import UnknownModel, invalid
+from api.strict_json import PARSED_BODY
 from common.calibration import Calibration, question_key
-from common.contract import ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
+from common.contract import EXAMPLE_REQUEST, ChoiceQuestion, NoulQuestion, ScoreQuestion, SystemOneRequest
 from common.jobs import GROUPED_JOB_RECORD_VERSION, JOB_RECORD_VERSION, Branch, JobIds, JobSpec
 from common.prompt import CompiledPrompt, PrefixTooLong, PromptCompiler, UnsupportedContent
 from common.routing import prefix_key
 from common.settings import Settings
+
+REQUEST_BODY_DOC: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/SystemOneRequest"}, "examples": {"ticket": {"value": EXAMPLE_REQUEST}}}}}}
+"""The routes' `openapi_extra`: the body `request_body` reads, as FastAPI would document a body parameter
+(api/openapi.py adds the models' schemas to the components)."""
+
+
+async def request_body(request: Request) -> SystemOneRequest:
+    """The route's SystemOneRequest, validated from the value BodyGate already parsed: the body is read as
+    JSON once. Validation errors keep FastAPI's shape (a 422 with `loc` under "body")."""
+    # BodyGate parses every JSON body and refuses any other non-empty one (415): nothing parsed is no body.
+    value = getattr(request.state, PARSED_BODY, None)
+    if value is None:  # no body, or `null`: as FastAPI answers a missing body
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    try:
+        return SystemOneRequest.model_validate(value)
+    except ValidationError as exc:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                      for error in exc.errors(include_url=False)]) from None
 
 
 class JobPreparer:

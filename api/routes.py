@@ -17,8 +17,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
+from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
-from api.strict_json import REQUEST_BODY_DOC, request_body
 from common.contract import ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
 from common.queue.placement import Admission

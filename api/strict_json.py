@@ -9,11 +9,7 @@ import json
 import math
 from typing import Any
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-
-from common.contract import EXAMPLE_REQUEST, SystemOneRequest, echo
+from common.contract import echo
 
 MAX_DEPTH = 64
 """Objects and arrays nested deeper than this are refused: nothing in a request needs more, and
@@ -52,26 +48,6 @@ def read_json(raw: bytes) -> Any:
 
 PARSED_BODY = "json_body"
 """The key under which BodyGate (api/middleware.py) leaves the body it parsed in the request's state."""
-
-REQUEST_BODY_DOC: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": {"$ref": "#/components/schemas/SystemOneRequest"}, "examples": {"ticket": {"value": EXAMPLE_REQUEST}}}}}}
-"""The routes' `openapi_extra`: the body `request_body` reads, as FastAPI would document a body parameter
-(api/openapi.py adds the models' schemas to the components)."""
-
-
-async def request_body(request: Request) -> SystemOneRequest:
-    """The route's SystemOneRequest, validated from the value BodyGate already parsed: the body is read as
-    JSON once. Validation errors keep FastAPI's shape (a 422 with `loc` under "body")."""
-    # BodyGate parses every JSON body and refuses any other non-empty one (415): nothing parsed is no body.
-    value = getattr(request.state, PARSED_BODY, None)
-    if value is None:  # no body, or `null`: as FastAPI answers a missing body
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
-    try:
-        return SystemOneRequest.model_validate(value)
-    except ValidationError as exc:
-        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
-                                      for error in exc.errors(include_url=False)]) from None
-
 
 def printable(text: str) -> str:
     """`text` with any lone surrogate written as `\\udxxx`, so it can be quoted back in an error."""

@@ -6,6 +6,7 @@ never retrieved" at garbage collection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Coroutine
@@ -42,3 +43,12 @@ class BackgroundWork:
         self._tasks.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             self._log.warning("%s (%r)", failure, error)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel `task` (None: there is none) and wait until it has stopped; its cancellation ends here."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

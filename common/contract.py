@@ -175,26 +175,37 @@ LABEL_MASS = Field(None, ge=0.0, le=1.0, description=(
     "near 0: the probabilities are mostly noise). Official clients ignore it."))
 
 
+Probabilities = Annotated[dict[str, float], Field(description=(
+    "Each option's (or level's) probability, renormalised over the answer labels; they sum to 1."))]
+Confidence = Annotated[float, Field(description="How sure the model is of its answer, from 0 to 1.")]
+
+
 class NoulAnswer(BaseModel):
+    """A `noul` question's answer: the probability of yes."""
+
     type: Literal["noul"] = "noul"
     noul: float
     x_label_mass: float | None = LABEL_MASS
 
 
 class ChoiceAnswer(BaseModel):
+    """A `choice` question's answer: the likeliest option, with the distribution over every option."""
+
     type: Literal["choice"] = "choice"
     choice: str
-    probabilities: dict[str, float]
-    confidence: float
+    probabilities: Probabilities
+    confidence: Confidence
     x_label_mass: float | None = LABEL_MASS
 
 
 class ScoreAnswer(BaseModel):
+    """A `score` question's answer: the expected level (0 for the legend's first), with its distribution."""
+
     type: Literal["score"] = "score"
     score: float
     legend: dict[str, JSON]
-    probabilities: dict[str, float]
-    confidence: float
+    probabilities: Probabilities
+    confidence: Confidence
     x_label_mass: float | None = LABEL_MASS
 
 

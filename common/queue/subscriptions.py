@@ -15,6 +15,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
+from common.background import cancel_and_wait
+
 
 class Subscription:
     """Hands every message on `channel` to `on_message`, resubscribing after a Redis error: first
@@ -49,10 +51,7 @@ class Subscription:
 
     async def close(self) -> None:
         """Stop, and release the subscription's connection."""
-        self.stop()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._drop()
 
     async def _subscribe(self) -> PubSub:
