@@ -13,7 +13,8 @@ Scenarios: the README example at concurrency 1, 16 and 64; 1/4/16/64 questions a
 states at concurrency 16 (per-question and per-1k-state-token slopes from them); and each stack at rest.
 The baseline runs from a temporary `git worktree` of REV in an environment synced from REV's own
 pyproject.toml; `--unbatched` adds this checkout with one engine call per branch. Besides CPU, each
-sample counts the engine's /generate calls and Redis's commands (INFO commandstats) per request, and
+sample counts the engine's /generate calls, Redis's commands (INFO commandstats) and its round trips (the
+requests it read, INFO stats `total_reads_processed`: a pipeline or a script call is one) per request, and
 the report gives each scenario's spread across rounds (largest / smallest total CPU).
 Figures: bench/RESULTS-cpu.md.
 """
@@ -82,6 +83,7 @@ class Sample:
     rps: float
     engine_calls: float = 0.0  # /generate calls per request (warm and branch calls)
     redis_commands: float = 0.0  # Redis commands per request, every client's (INFO commandstats)
+    redis_round_trips: float = 0.0  # requests Redis read per request, every client's (a pipeline or script: one)
 
     @property
     def total(self) -> float:
@@ -194,23 +196,28 @@ def engine_calls(stack: Stack) -> int:
     return httpx.get(f"{stack.engine_url}/stats", timeout=30).json()["generate_calls"]
 
 
-def redis_commands(stack: Stack) -> int:
-    """Commands Redis has run since it started, every command together (the INFO that asks included)."""
+def redis_counts(stack: Stack) -> tuple[int, int]:
+    """Commands Redis has run since it started, every command together, those a script runs included (INFO
+    commandstats), and the requests it has read from its clients, a pipeline or a script call one each: its
+    round trips (INFO stats `total_reads_processed`). The INFO that asks counts in both."""
     import redis as redis_client
 
     with redis_client.Redis.from_url(stack.redis_url) as client:
-        return sum(stat["calls"] for stat in client.info("commandstats").values())
+        commands = sum(stat["calls"] for stat in client.info("commandstats").values())
+        return commands, int(client.info("stats")["total_reads_processed"])
 
 
 def measure(stack: Stack, scenario: Scenario) -> Sample:
-    calls_before, commands_before = engine_calls(stack), redis_commands(stack)
+    calls_before, (commands_before, reads_before) = engine_calls(stack), redis_counts(stack)
     before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     wall = asyncio.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
     after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
     calls = (engine_calls(stack) - calls_before) / scenario.requests
-    commands = (redis_commands(stack) - commands_before - 1) / scenario.requests  # less the INFO before
-    return Sample(cpu, scenario.requests / wall, calls, commands)
+    commands_after, reads_after = redis_counts(stack)
+    commands = (commands_after - commands_before - 2) / scenario.requests  # less the two INFOs before
+    round_trips = (reads_after - reads_before - 2) / scenario.requests
+    return Sample(cpu, scenario.requests / wall, calls, commands, round_trips)
 
 
 def at_rest(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], dict[str, float]]:
@@ -341,7 +348,8 @@ def slope(points: list[tuple[float, float]]) -> float:
 def median_sample(samples: list[Sample]) -> Sample:
     cpu = {name: statistics.median(s.cpu_ms[name] for s in samples) for name in MEASURED}
     return Sample(cpu, statistics.median(s.rps for s in samples), statistics.median(s.engine_calls for s in samples),
-                  statistics.median(s.redis_commands for s in samples))
+                  statistics.median(s.redis_commands for s in samples),
+                  statistics.median(s.redis_round_trips for s in samples))
 
 
 def spread(samples: list[Sample]) -> str:
@@ -355,17 +363,18 @@ def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], fo
            idle: dict[str, list[dict[str, float]]]) -> list[str]:
     base, new = stacks[0].name, stacks[-1].name
     lines = ["| scenario | stack | API | worker | Redis | total CPU-ms/request | requests/s | total ratio "
-             "| engine calls/request | Redis commands/request | spread across rounds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine calls/request | Redis commands/request | Redis round trips/request | spread across rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     medians = {key: median_sample(samples) for key, samples in results.items()}
     for scenario in found:
         reference = medians[(scenario.name, base)].total
         for stack in stacks:
             m = medians[(scenario.name, stack.name)]
             ratio = "" if stack.name == base else f"**{m.total / reference:.2f}×**"
+            rounds = results[(scenario.name, stack.name)]
             lines.append(f"| {scenario.name} | {stack.name} | {m.cpu_ms['api']:.2f} | {m.cpu_ms['worker']:.2f} | "
                          f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} | {m.engine_calls:.1f} | "
-                         f"{m.redis_commands:.1f} | {spread(results[(scenario.name, stack.name)])} |")
+                         f"{m.redis_commands:.1f} | {m.redis_round_trips:.1f} | {spread(rounds)} |")
     lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
     for stack in stacks:
         by_questions = [(s.questions, medians[(s.name, stack.name)].total) for s in found

@@ -127,3 +127,21 @@ async def test_the_installed_arq_reads_the_job_layout_the_queue_writes(redis) ->
     assert job.function == keys.JOB_FUNCTION and list(job.args) == [{"id": "job_layout"}] and job.kwargs == {}
     assert job.job_id == keys.placement_id("job_layout", 1) and job.job_try is None
     assert job.score is not None and job.score < time.time() * 1000  # due at once on any worker's clock
+
+
+def test_arq_keys_are_written_only_through_arq_layout() -> None:
+    """One owner of arq's layout: no product module but common/queue/keys.py (the names) and
+    common/queue/arq_layout.py (the Lua functions every script includes) names arq's keys, and each script
+    that writes a placement, moves it, reruns it, resumes it or aborts it includes those functions."""
+    names = ("ARQ_JOB", "ARQ_IN_PROGRESS", "ARQ_RETRY", "ARQ_ABORTS", "job_key_prefix", "in_progress_key_prefix",
+             "retry_key_prefix", "abort_jobs_ss", "arq:job:", "arq:in-progress:", "arq:retry:", "arq:abort")
+    owners = {ROOT / "common" / "queue" / "keys.py", ROOT / "common" / "queue" / "arq_layout.py"}
+    for path in (p for d in ("api", "common", "worker", "openjev") for p in (ROOT / d).rglob("*.py")):
+        if path not in owners:
+            text = path.read_text()
+            assert not [n for n in names if n in text], f"{path.relative_to(ROOT)} names arq's keys"
+    from common.queue import leases, placement, records, reruns
+    from common.queue.arq_layout import ARQ_LUA
+
+    for script in (placement._SUBMIT, leases._MOVE, leases._RESUME, reruns._RERUN, records._CANCEL):
+        assert script.startswith(ARQ_LUA)

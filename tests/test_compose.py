@@ -277,7 +277,7 @@ def test_the_cpu_engine_image_installs_the_lock_with_cpu_torch() -> None:
     assert 'pip install --no-deps --index-url "${TORCH_INDEX_URL}" "$torch"' in instructions
     assert re.search(r"ARG TORCH_INDEX_URL=\S+/whl/cpu$", instructions, re.MULTILINE)
     assert re.search(r"uv export --frozen --no-dev --extra cpu --no-emit-project --no-emit-package torch -o (\S+)"
-                     r".*pip install --require-hashes -r \1", instructions, re.DOTALL)
+                     r".*pip install --no-deps --require-hashes -r \1", instructions, re.DOTALL)
     assert "pip install . --no-deps" in instructions
     assert "endswith('+cpu')" in instructions  # the build fails should CUDA torch ever come in
     assert "uv pip install" not in instructions  # no fresh resolution

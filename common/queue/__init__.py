@@ -18,6 +18,9 @@ this package, and nothing else writes Redis. A job's life, step by step:
                  one and stops the jobs taken from it (worker/fencing.py). A worker's heartbeat,
                  lease renewal and look for vanished workers are one round trip a second (`beat`).
 
+arq's own keys (a placement's job, its claim, its retry count, abort marks) are written by arq and, where
+the scripts above must write them in the same step as the record, by the Lua functions of arq_layout.py.
+
 The pub/sub notices (completion to the API, wake-ups to workers) only make things sooner: each
 listener (subscriptions.py) resubscribes after a Redis error, and each has a polling fallback.
 

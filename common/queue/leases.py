@@ -15,6 +15,7 @@ import time
 from redis.asyncio import Redis
 
 from common.queue import keys
+from common.queue.arq_layout import ARQ_LUA
 from common.queue.membership import (
     HEARTBEAT_LUA,
     LIVENESS_WINDOW,
@@ -51,45 +52,28 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: record, the vanished worker's lease, its queue, the target queue; ARGV: arq job id, arq key
-# prefixes (job, in-progress, retry), job id. Moves one placement off a worker whose lease lapsed:
-# -1 not moved (the id is leased again: its restart resumes the job), 0 no longer in that queue,
-# 2 dropped (the job had ended, was moved before, or its payload expired: nothing to run), 1 moved
-# as the job's next placement, queued on the target with a copy of the payload. The old placement's
-# arq keys go, so nothing of it is left for the vanished worker to run or finish.
-_MOVE = """
+# KEYS: record, the vanished worker's lease, its queue, the target queue; ARGV: arq job id, job id. Moves one
+# placement off a worker whose lease lapsed: -1 not moved (the id is leased again: its restart resumes the
+# job), 0 no longer in that queue, 2 dropped (the job had ended, was moved before, or its payload expired:
+# nothing to run), 1 moved as the job's next placement, queued on the target with a copy of the payload, in
+# its lane and at its place in line (arq_layout.py). The old placement's arq keys go, so nothing of it is
+# left for the vanished worker to run or finish.
+_MOVE = ARQ_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-local score = redis.call('ZSCORE', KEYS[3], ARGV[1])
-if not score then return 0 end
-redis.call('ZREM', KEYS[3], ARGV[1])
-local old = ARGV[2] .. ARGV[1]
-local payload, ttl = redis.call('GET', old), redis.call('PTTL', old)
-redis.call('DEL', old, ARGV[3] .. ARGV[1], ARGV[4] .. ARGV[1])
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement')
-if not payload or ttl <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 2 end
-local new = ARGV[5] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
-redis.call('SET', ARGV[2] .. new, payload, 'PX', ttl)
-redis.call('ZADD', KEYS[4], score, new)
-if redis.call('ZREM', KEYS[3] .. ':interactive', ARGV[1]) == 1 then
-  local deadline = redis.call('HGET', KEYS[1], 'deadline_at')
-  redis.call('ZADD', KEYS[4] .. ':interactive', deadline, new)
-  if redis.call('PTTL', KEYS[4] .. ':interactive') < ttl then redis.call('PEXPIRE', KEYS[4] .. ':interactive', ttl) end
-end
-local placed_at = redis.call('ZSCORE', KEYS[3] .. ':waiting', ARGV[1])
-redis.call('ZREM', KEYS[3] .. ':waiting', ARGV[1])
-redis.call('ZADD', KEYS[4] .. ':waiting', placed_at or redis.call('HGET', KEYS[1], 'created_at'), new)
-if redis.call('PTTL', KEYS[4] .. ':waiting') < ttl then redis.call('PEXPIRE', KEYS[4] .. ':waiting', ttl) end
+local old = arq_take_off(KEYS[3], ARGV[1])
+if not old then return 0 end
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'deadline_at', 'created_at')
+if not old.payload or old.ttl_ms <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 2 end
+local new = ARGV[2] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
+arq_enqueue(KEYS[4], new, old.payload, old.ttl_ms, old.score, old.since or f[4], old.interactive and f[3] or nil)
 redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
-redis.call('PUBLISH', KEYS[4] .. 'WAKE_SUFFIX', 'job ' .. new .. ' ' .. score)
 return 1
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX)
+"""
 
-# KEYS[1] queue; ARGV[1] in-progress key prefix. After taking the lease: the predecessor's claims on
-# the queue's jobs are cleared, so arq runs them again now rather than when the claims expire.
-_RESUME = """
-local n = 0
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do n = n + redis.call('DEL', ARGV[1] .. id) end
-return n
+# KEYS[1] queue. After taking the lease: the predecessor's claims on the queue's jobs are cleared, so arq
+# runs them again now rather than when the claims expire.
+_RESUME = ARQ_LUA + """
+return arq_release_claims(KEYS[1])
 """
 
 
@@ -146,7 +130,7 @@ async def beat(redis: Redis, info: WorkerInfo, lease: Lease) -> list[str]:
 
 async def resume_own_jobs(redis: Redis, queue: str) -> int:
     """After taking the lease: jobs our predecessor had started become runnable again."""
-    cleared = int(await redis.register_script(_RESUME)(keys=[queue], args=[keys.ARQ_IN_PROGRESS]))
+    cleared = int(await redis.register_script(_RESUME)(keys=[queue]))
     if cleared:
         log.info("resuming %d job(s) interrupted on %s", cleared, queue)
     return cleared
@@ -180,7 +164,7 @@ async def _move_jobs(redis: Redis, victim: str, queues: dict[str, str]) -> int:
         route_key = (await redis.hget(keys.job_key(job_id), "route_key") or job_id.encode()).decode()
         target = queues[rank_workers(route_key, list(queues))[0]]
         result = await move(keys=[keys.job_key(job_id), keys.lease_key(victim), keys.queue_name(victim), target],
-                            args=[arq_job_id, keys.ARQ_JOB, keys.ARQ_IN_PROGRESS, keys.ARQ_RETRY, job_id])
+                            args=[arq_job_id, job_id])
         if result == -1:
             log.info("worker %s is back; it resumes its remaining jobs", victim)
             return moved

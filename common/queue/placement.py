@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 
 from common.jobs import Lane
 from common.queue import keys
+from common.queue.arq_layout import ARQ_LUA
 from common.queue.membership import LIVENESS_WINDOW
 from common.settings import RoutingPolicy
 from common.tenants import DEFAULT_TENANT
@@ -44,31 +45,31 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 BOUND_SLACK = 60  # seconds a bounded set's expiry is moved past the job that moves it (fewer EXPIREs)
 CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
 
-# KEYS[1] workers zset. ARGV (see `_args`): 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key,
-# 5 load factor, 6 seconds the job may take, 7 round robin counter key, 8 job id, 9 record key,
-# 10 record ttl past the deadline (s), 11 arq job key prefix, 12 arq payload, 13 idempotency key ('' for
-# none), 14 its value's digest, 15 tenant, 16 clock ttl (s), 17 lane, 18 the job's fair cost (virtual ms,
-# weighted), 19 max concurrent jobs (0: no limit), 20 max queued async jobs (0: no limit), 21 'async' or 'sync',
-# 22 fair origin (ms), 23 interactive lead (ms), 24 ... record field/value pairs.
+# KEYS[1] workers zset. ARGV: 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key, 5 load
+# factor, 6 seconds the job may take, 7 round robin counter key, 8 job id, 9 record key, 10 record ttl past
+# the deadline (s), 11 arq payload (written by arq_layout.py's `arq_enqueue`), 12 idempotency key ('' for
+# none), 13 its value's digest, 14 tenant, 15 clock ttl (s), 16 lane, 17 the job's fair cost (virtual ms,
+# weighted), 18 max concurrent jobs (0: no limit), 19 max queued async jobs (0: no limit), 20 'async' or
+# 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at} | {'held', "<job id>:<digest>"} (the idempotency key is
 #      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'none'} (no worker with a
 #      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
-_SUBMIT = """
-if ARGV[13] ~= '' then
-  local held = redis.call('GET', ARGV[13])
+_SUBMIT = ARQ_LUA + """
+if ARGV[12] ~= '' then
+  local held = redis.call('GET', ARGV[12])
   if held then return {'held', held} end
 end
 local t = redis.call('TIME')
 local now, window = t[1] + t[2] / 1e6, tonumber(ARGV[1])
-local interactive = ARGV[17] == 'interactive'
+local interactive = ARGV[16] == 'interactive'
 
-local tenant_jobs, tenant_async = 'TENANT_PREFIX' .. ARGV[15] .. ':jobs', 'TENANT_PREFIX' .. ARGV[15] .. ':async'
+local tenant_jobs, tenant_async = 'TENANT_PREFIX' .. ARGV[14] .. ':jobs', 'TENANT_PREFIX' .. ARGV[14] .. ':async'
 redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
-local max_jobs, max_queued = tonumber(ARGV[19]), tonumber(ARGV[20])
+local max_jobs, max_queued = tonumber(ARGV[18]), tonumber(ARGV[19])
 if max_jobs > 0 and redis.call('ZCARD', tenant_jobs) >= max_jobs then
   return {'limited', 'max_concurrent_jobs', max_jobs}
 end
-if ARGV[21] == 'async' then
+if ARGV[20] == 'async' then
   redis.call('ZREMRANGEBYSCORE', tenant_async, '-inf', now)
   if max_queued > 0 and redis.call('ZCARD', tenant_async) >= max_queued then
     return {'limited', 'max_queued_jobs', max_queued}
@@ -138,36 +139,30 @@ if not target then return {'overloaded', tostring(soonest)} end
 -- Start-time fair queuing on the target's queue: its virtual time is the fair start of the job it started
 -- last (records.py `start`); a tenant's clock in a lane says where its next job starts, never behind the
 -- queue's virtual time, and each job moves it on by its cost.
-local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[17] .. ':' .. ARGV[15]
+local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
 local start = math.max(tonumber(redis.call('GET', vclock) or 0), tonumber(redis.call('GET', clock) or 0))
-redis.call('SET', clock, tostring(start + tonumber(ARGV[18])), 'EX', ARGV[16])
-local score = start - tonumber(ARGV[22]) - (interactive and tonumber(ARGV[23]) or 0)
+redis.call('SET', clock, tostring(start + tonumber(ARGV[17])), 'EX', ARGV[15])
+local score = start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
 
 local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
 redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
-           'lane', ARGV[17], 'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 24))
+           'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 23))
 redis.call('EXPIRE', ARGV[9], ttl)
-redis.call('SET', ARGV[11] .. arq_id, ARGV[12], 'EX', ttl)
-redis.call('ZADD', target.queue, score, arq_id)
-if interactive then redis.call('ZADD', target.queue .. ':interactive', deadline, arq_id) end
-redis.call('ZADD', target.queue .. ':waiting', now, arq_id)
+arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
-if ARGV[21] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
--- The sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job needs,
--- so the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
-local bounded = {tenant_jobs, target.queue .. ':waiting'}
-if ARGV[21] == 'async' then bounded[#bounded + 1] = tenant_async end
-if interactive then bounded[#bounded + 1] = target.queue .. ':interactive' end
+if ARGV[20] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
+-- The tenant's sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job
+-- needs, so the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
+local bounded = {tenant_jobs}
+if ARGV[20] == 'async' then bounded[#bounded + 1] = tenant_async end
 for _, key in ipairs(bounded) do
   if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl + BOUND_SLACK) end
 end
-redis.call('PUBLISH', target.queue .. 'WAKE_SUFFIX', 'job ' .. arq_id .. ' ' .. score)
-if ARGV[13] ~= '' then redis.call('SET', ARGV[13], ARGV[8] .. ':' .. ARGV[14], 'EX', ttl) end
+if ARGV[12] ~= '' then redis.call('SET', ARGV[12], ARGV[8] .. ':' .. ARGV[13], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline)}
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace(
-    "BOUND_SLACK", str(BOUND_SLACK))
+""".replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(BOUND_SLACK))
 
 
 @dataclass(frozen=True)
@@ -233,7 +228,7 @@ class Dispatcher:
         reply = await self._submit(keys=[keys.WORKERS], args=[
             LIVENESS_WINDOW, keys.route_info_key(""), self.routing.value, route_key, repr(self.load_factor),
             repr(remaining), keys.ROUND_ROBIN_TURN, job_id, keys.job_key(job_id), keep_after_deadline,
-            keys.ARQ_JOB, arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
+            arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
             idempotency.digest if idempotency else "", tenant, CLOCK_TTL, admission.lane.value,
             repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
             "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, *fields])

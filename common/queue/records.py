@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from common.jobs import JobOutcome, JobStatus
 from common.queue import keys
+from common.queue.arq_layout import ARQ_LUA
 from common.queue.placement import CLOCK_TTL
 from common.tenants import DEFAULT_TENANT
 
@@ -93,13 +94,12 @@ return 1
     "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
     "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]"))
 
-# KEYS: record, arq's abort set, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort
-# mark max age (ms), grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace`
-# seconds past, unless grace is -1): an async job keeps the outcome for its reader, a sync job's record
-# goes (its caller is the one ending it). Its placement gets an abort mark for arq and its worker a
-# wake-up saying so; marks older than any job can live are trimmed: the set holds only marks that can
-# still matter.
-_CANCEL = """
+# KEYS: record, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort mark max age (ms),
+# grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace` seconds past, unless
+# grace is -1): an async job keeps the outcome for its reader, a sync job's record goes (its caller is the
+# one ending it). Its placement gets an abort mark for arq (arq_layout.py) and its worker a wake-up saying
+# so; marks older than any job can live are trimmed: the set holds only marks that can still matter.
+_CANCEL = ARQ_LUA + """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue', 'tenant')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 local t = redis.call('TIME')
@@ -116,10 +116,8 @@ else
   redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 end
-redis.call('PUBLISH', KEYS[3], ARGV[1] .. ' ' .. ARGV[2])
-local now_ms = math.floor(now * 1000)
-redis.call('ZADD', KEYS[2], now_ms, f[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms - tonumber(ARGV[5]))
+redis.call('PUBLISH', KEYS[2], ARGV[1] .. ' ' .. ARGV[2])
+arq_abort(f[2], math.floor(now * 1000), tonumber(ARGV[5]))
 if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
@@ -209,7 +207,7 @@ class JobStore:
         True when this call ended it. With `after_deadline`, only once its deadline is that many
         seconds past (by Redis's clock). A sync job's record is removed instead of kept."""
         return bool(await self._cancel(
-            keys=[keys.job_key(job_id), keys.ARQ_ABORTS, keys.DONE_CHANNEL],
+            keys=[keys.job_key(job_id), keys.DONE_CHANNEL],
             args=[job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, self.abort_mark_ms,
                   -1 if after_deadline is None else after_deadline]))
 

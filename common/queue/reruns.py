@@ -12,35 +12,28 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from common.queue import keys
+from common.queue.arq_layout import ARQ_LUA
 from common.queue.membership import live_workers
 from common.queue.placement import FAIR_ORIGIN_MS
 from common.routing import rank_workers
 
-# KEYS: record, the placement's queue, the target queue; ARGV: arq job id, arq job key prefix, job id, why.
-# 1: queued on the target as the job's next placement (its place in line kept: the same score, so the same
-# lane and fair start; waiting to start again, in the interactive lane if it was; its worker woken), with a
-# copy of the payload; 0: not ours to run again (it ended, was cancelled or moved, or its payload
-# expired). The placement's own arq keys stay for arq, which finishes it.
-_RERUN = """
+# KEYS: record, the placement's queue, the target queue; ARGV: arq job id, job id, why. 1: queued on the
+# target as the job's next placement (its place in line kept: the same score, so the same lane and fair
+# start; waiting to start again, in the interactive lane if it was; its worker woken: arq_layout.py), with a
+# copy of the payload; 0: not ours to run again (it ended, was cancelled or moved, or its payload expired).
+# The placement's own arq keys stay for arq, which finishes it.
+_RERUN = ARQ_LUA + """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'lane', 'deadline_at')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
-local old = ARGV[2] .. ARGV[1]
-local payload, ttl = redis.call('GET', old), redis.call('PTTL', old)
+local payload, ttl = arq_payload(ARGV[1])
 if not payload or ttl <= 0 then return 0 end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1]) or 'HEAD_OF_QUEUE'
-local new = ARGV[3] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
-redis.call('SET', ARGV[2] .. new, payload, 'PX', ttl)
-redis.call('ZADD', KEYS[3], score, new)
+local new = ARGV[2] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[3] .. ':waiting', t[1] + t[2] / 1e6, new)
-if f[3] == 'interactive' then redis.call('ZADD', KEYS[3] .. ':interactive', f[4], new) end
-for _, key in ipairs({KEYS[3] .. ':waiting', KEYS[3] .. ':interactive'}) do
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[3], 'placement', new, 'last_failure', ARGV[4])
-redis.call('PUBLISH', KEYS[3] .. 'WAKE_SUFFIX', 'job ' .. new .. ' ' .. score)
+arq_enqueue(KEYS[3], new, payload, ttl, score, t[1] + t[2] / 1e6, f[3] == 'interactive' and f[4] or nil)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[3], 'placement', new, 'last_failure', ARGV[3])
 return 1
-""".replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace("HEAD_OF_QUEUE", str(-FAIR_ORIGIN_MS))
+""".replace("HEAD_OF_QUEUE", str(-FAIR_ORIGIN_MS))
 
 
 @dataclass(frozen=True)
@@ -65,5 +58,5 @@ async def run_again(redis: Redis, arq_job_id: str, worker_id: str, reason: str) 
         target = Rerun(own, own=True)
     rerun = redis.register_script(_RERUN)
     queued = await rerun(keys=[keys.job_key(job_id), own, target.queue],
-                         args=[arq_job_id, keys.ARQ_JOB, job_id, reason[:300]])
+                         args=[arq_job_id, job_id, reason[:300]])
     return target if queued else None

@@ -1,0 +1,80 @@
+"""arq's job layout, written in one place. Besides arq itself (its worker claims, runs and finishes a
+job), the queue writes arq's keys only through the Lua functions below, which the scripts that need them
+include: placement.py's submit (`arq_enqueue`), leases.py's move (`arq_take_off`, `arq_enqueue`) and
+resume (`arq_release_claims`), reruns.py's rerun (`arq_payload`, `arq_enqueue`) and records.py's cancel
+(`arq_abort`). They write what arq's own `ArqRedis.enqueue_job` and `Job.abort` write (README, "What
+happens to a request", says why the scripts cannot call them); arq is pinned exactly, and
+tests/test_arq_surface.py checks that the installed release reads this layout.
+
+Beside arq's keys, a queue has two sets of ours that follow its placements: `<queue>:waiting` (when each
+was queued: the backlog the API reports) and `<queue>:interactive` (the interactive lane's placements,
+until their deadlines: what an interactive job waits behind). `arq_enqueue` and `arq_take_off` keep them
+with the queue, and every queue entry wakes its worker (`<queue>` + keys.WAKE_SUFFIX)."""
+
+from __future__ import annotations
+
+from common.queue import keys
+
+SIDE_SET_SLACK_MS = 60_000  # how far past the placement that moves it a queue's side set's expiry is set
+
+ARQ_LUA = f"""
+local ARQ_JOB, ARQ_IN_PROGRESS, ARQ_RETRY = '{keys.ARQ_JOB}', '{keys.ARQ_IN_PROGRESS}', '{keys.ARQ_RETRY}'
+local ARQ_ABORTS = '{keys.ARQ_ABORTS}'
+
+-- arq's job `id` (its `payload`, as the worker's job_deserializer reads it, for `ttl_ms`) at `score` in
+-- `queue`, as enqueue_job writes it; queued since `since` (Redis's clock, s), in the interactive lane
+-- until `deadline` when one is given (nil: batch); then the queue's worker is woken.
+local function arq_enqueue(queue, id, payload, ttl_ms, score, since, deadline)
+  redis.call('SET', ARQ_JOB .. id, payload, 'PX', ttl_ms)
+  redis.call('ZADD', queue, score, id)
+  local sides = {{queue .. ':waiting'}}
+  redis.call('ZADD', sides[1], since, id)
+  if deadline then
+    sides[2] = queue .. ':interactive'
+    redis.call('ZADD', sides[2], deadline, id)
+  end
+  -- The side sets outlive every member's deadline; their expiry moves past what this placement needs, so
+  -- the placements that follow within that time find it far enough and leave it (one PTTL each).
+  for _, key in ipairs(sides) do
+    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms + {SIDE_SET_SLACK_MS}) end
+  end
+  redis.call('PUBLISH', queue .. '{keys.WAKE_SUFFIX}', 'job ' .. id .. ' ' .. score)
+end
+
+-- Placement `id` taken off `queue` with every arq key it has (job, in-progress claim, retry count), so
+-- nothing of it is left for a worker to run or finish: nil when it is not queued there, otherwise what a
+-- move needs to queue it again: {{score, payload (false if expired), ttl_ms, since (false if unknown),
+-- interactive}}.
+local function arq_take_off(queue, id)
+  local score = redis.call('ZSCORE', queue, id)
+  if not score then return nil end
+  redis.call('ZREM', queue, id)
+  local job = ARQ_JOB .. id
+  local taken = {{score = score, payload = redis.call('GET', job), ttl_ms = redis.call('PTTL', job),
+                  since = redis.call('ZSCORE', queue .. ':waiting', id),
+                  interactive = redis.call('ZREM', queue .. ':interactive', id) == 1}}
+  redis.call('ZREM', queue .. ':waiting', id)
+  redis.call('DEL', job, ARQ_IN_PROGRESS .. id, ARQ_RETRY .. id)
+  return taken
+end
+
+-- Placement `id`'s payload and the ms it has left (false, -2 once it expired); arq's keys stay as they are.
+local function arq_payload(id)
+  return redis.call('GET', ARQ_JOB .. id), redis.call('PTTL', ARQ_JOB .. id)
+end
+
+-- arq's abort mark for placement `id` at `now_ms`, as Job.abort writes it; marks older than `keep_ms`
+-- (no job they name can still run) are trimmed.
+local function arq_abort(id, now_ms, keep_ms)
+  redis.call('ZADD', ARQ_ABORTS, now_ms, id)
+  redis.call('ZREMRANGEBYSCORE', ARQ_ABORTS, '-inf', now_ms - keep_ms)
+end
+
+-- The in-progress claims on `queue`'s placements dropped, so arq runs them again now rather than once the
+-- claims expire; returns how many there were.
+local function arq_release_claims(queue)
+  local n = 0
+  for _, id in ipairs(redis.call('ZRANGE', queue, 0, -1)) do n = n + redis.call('DEL', ARQ_IN_PROGRESS .. id) end
+  return n
+end
+"""
