@@ -5,6 +5,7 @@ Where a promise rests on a write (an async job's 202, a stored outcome), its wri
 from __future__ import annotations
 
 import logging
+import time
 
 from redis.asyncio import Redis
 from redis.exceptions import ReadOnlyError, ResponseError
@@ -15,6 +16,7 @@ log = logging.getLogger("openjev.queue")
 
 REPLICA_WAIT = 2.0  # seconds a promise waits for a replica's copy; then it is given anyway (logged)
 MARK_TTL_MS = 60_000  # the mark only carries a replication offset; it need not outlive a minute
+ALONE_RECHECK = 1.0  # seconds a master found without replicas is believed so before INFO asks again
 
 
 class ReplicaCopy:
@@ -25,17 +27,23 @@ class ReplicaCopy:
         self.redis = redis
         self.timeout_ms = int(timeout * 1000)
         self.readable = True  # False once INFO or WAIT was refused (a managed Redis may forbid them)
+        # Until when (time.monotonic()) the master is taken to have no replica: a lone Redis (serve, compose)
+        # is asked once a second, not once per promise. A replica that attaches meanwhile starts from a copy
+        # of everything written before, so a promise given in that second loses nothing a check would have.
+        self._alone_until = 0.0
 
     async def wait(self) -> bool:
         """Return once every write Redis acknowledged before this call is on at least one replica;
-        True if so; False at once when the master has no replica (or refuses INFO or WAIT), and
-        after the timeout (logged: the promise is given all the same)."""
-        if not self.readable:
+        True if so; False at once when the master has no replica (or had none within ALONE_RECHECK
+        seconds, or refuses INFO or WAIT), and after the timeout (logged: the promise is given all the
+        same)."""
+        if not self.readable or time.monotonic() < self._alone_until:
             return False
         try:
             info = await self.redis.info("replication")
             if info.get("role") != "master" or not info.get("connected_slaves"):
-                return False  # one INFO, and no wait, where nothing replicates
+                self._alone_until = time.monotonic() + ALONE_RECHECK
+                return False  # one INFO a second at most, and no wait, where nothing replicates
             # WAIT counts the writes of its own connection: a pipeline (one connection, sent again
             # whole after a lost connection) writes a mark, which follows every earlier write in the
             # replication stream, and waits for a replica to confirm it.
