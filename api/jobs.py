@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
@@ -59,8 +58,7 @@ async def submit_job(request: Request, response: Response,
     """Validates exactly like `/v1/systemone` (same 4xx before anything is queued), then queues the job."""
     services = request.app.state.services
     services.preparer.check_request(body)
-    job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
-                                  services.settings.job_timeout)
+    job = await services.preparer.prepare_for(request, body, services.settings.job_timeout)
     request.state.job_id = job.id
     claim = None if idempotency_key is None else IdempotencyClaim(idempotency_key, _digest(body))
     tenant = tenant_of(request.scope)

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
-from starlette.concurrency import run_in_threadpool
 
 from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
@@ -34,8 +33,7 @@ async def systemone(request: Request,
     services = request.app.state.services
     started = time.perf_counter()
     services.preparer.check_request(body)
-    job = await run_in_threadpool(services.preparer.prepare, body, request.state.request_id,
-                                  services.settings.request_timeout)
+    job = await services.preparer.prepare_for(request, body, services.settings.request_timeout)
     prepare_seconds = time.perf_counter() - started
     request.state.job_id = job.id
     tenant = tenant_of(request.scope)
