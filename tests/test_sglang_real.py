@@ -173,9 +173,15 @@ class LivenessWatch(BackgroundSampler):
         self.engine_ok: list[bool] = []
 
     def sample(self) -> None:
-        score = self.client.zscore(keys.WORKERS, WORKER_ID)
-        raw = self.client.get(keys.worker_key(WORKER_ID))
-        self.ages.append(time.time() - score if score is not None else math.inf)
+        # The age by Redis's clock, which stamps the heartbeats, read with them in one step: a sample that
+        # this process took late (its threads starve while SGLang computes on every core) still measures
+        # the worker's silence, not its own delay.
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.time()
+            pipe.zscore(keys.WORKERS, WORKER_ID)
+            pipe.get(keys.worker_key(WORKER_ID))
+            (seconds, micros), score, raw = pipe.execute()
+        self.ages.append(seconds + micros / 1e6 - score if score is not None else math.inf)
         self.engine_ok.append(bool(raw) and orjson.loads(raw)["engine_ok"])
 
     def close(self) -> None:
