@@ -219,3 +219,17 @@ async def test_a_sync_outcome_too_big_for_a_notice_is_announced_bare_and_kept_fo
         notice = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
     assert notice is not None and notice["data"] == b"job_b succeeded"
     assert await store.collect("job_b") == (JobStatus.succeeded, big)
+
+
+def test_the_record_is_written_only_by_this_module_s_lua() -> None:
+    """One owner of the job record's writes: the scripts of other modules that create or requeue a job
+    (placement's submit, leases' move, reruns' rerun) write its record only through records.py's
+    RECORD_LUA functions; their own Lua reads it (HMGET, HGET) and never writes it."""
+    from common.queue import leases, placement, reruns
+    from common.queue.arq_layout import ARQ_LUA
+    from common.queue.records import RECORD_LUA
+
+    for script in (placement._SUBMIT, leases._MOVE, reruns._RERUN):
+        assert script.startswith(ARQ_LUA + RECORD_LUA)
+        own = script.removeprefix(ARQ_LUA + RECORD_LUA)
+        assert "'HSET'" not in own and "'HINCRBY'" not in own and "'HDEL'" not in own, own[:200]

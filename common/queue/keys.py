@@ -77,6 +77,8 @@ def waiting_key(queue: str) -> str:
     return queue + ":waiting"
 
 
+CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
+
 TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
 
 

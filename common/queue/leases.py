@@ -25,6 +25,7 @@ from common.queue.membership import (
     live_workers,
     silent_members,
 )
+from common.queue.records import RECORD_LUA
 from common.routing import rank_workers
 
 log = logging.getLogger("openjev.queue")
@@ -58,15 +59,14 @@ return 0
 # nothing to run), 1 moved as the job's next placement, queued on the target with a copy of the payload, in
 # its lane and at its place in line (arq_layout.py). The old placement's arq keys go, so nothing of it is
 # left for the vanished worker to run or finish.
-_MOVE = ARQ_LUA + """
+_MOVE = ARQ_LUA + RECORD_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local old = arq_take_off(KEYS[3], ARGV[1])
 if not old then return 0 end
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'deadline_at', 'created_at')
 if not old.payload or old.ttl_ms <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 2 end
-local new = ARGV[2] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
+local new = record_requeued(KEYS[1], ARGV[2], KEYS[4], {})
 arq_enqueue(KEYS[4], new, old.payload, old.ttl_ms, old.score, old.since or f[4], old.interactive and f[3] or nil)
-redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[4], 'placement', new)
 return 1
 """
 

@@ -33,6 +33,7 @@ from common.jobs import Lane
 from common.queue import keys
 from common.queue.arq_layout import ARQ_LUA
 from common.queue.membership import LIVENESS_WINDOW
+from common.queue.records import RECORD_LUA
 from common.settings import RoutingPolicy
 from common.tenants import DEFAULT_TENANT
 
@@ -43,7 +44,6 @@ INTERACTIVE_LEAD_MS = 30_000  # an interactive job is queued as if its fair star
 # before batch work, but never before a batch job whose fair start is this much earlier than its own
 PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt (warm call + branches), at weight 1
 BOUND_SLACK = 60  # seconds a bounded set's expiry is moved past the job that moves it (fewer EXPIREs)
-CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
 
 # KEYS[1] workers zset. ARGV: 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key, 5 load
 # factor, 6 seconds the job may take, 7 round robin counter key, 8 job id, 9 record key, 10 record ttl past
@@ -54,7 +54,7 @@ CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks 
 # Reply: {'ok', queue, created_at, deadline_at} | {'held', "<job id>:<digest>"} (the idempotency key is
 #      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'none'} (no worker with a
 #      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
-_SUBMIT = ARQ_LUA + """
+_SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
   local held = redis.call('GET', ARGV[12])
   if held then return {'held', held} end
@@ -147,9 +147,9 @@ local score = start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) o
 local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
-redis.call('HSET', ARGV[9], 'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
-           'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline), unpack(ARGV, 23))
-redis.call('EXPIRE', ARGV[9], ttl)
+record_placed(ARGV[9], ttl, {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
+                              'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline),
+                              unpack(ARGV, 23)})
 arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
 if ARGV[20] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
@@ -229,7 +229,7 @@ class Dispatcher:
             LIVENESS_WINDOW, keys.route_info_key(""), self.routing.value, route_key, repr(self.load_factor),
             repr(remaining), keys.ROUND_ROBIN_TURN, job_id, keys.job_key(job_id), keep_after_deadline,
             arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
-            idempotency.digest if idempotency else "", tenant, CLOCK_TTL, admission.lane.value,
+            idempotency.digest if idempotency else "", tenant, keys.CLOCK_TTL, admission.lane.value,
             repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
             "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, *fields])
         verdict = reply[0]

@@ -1,4 +1,5 @@
-"""The job status record in Redis: written when the job is placed (common/queue/placement.py), then
+"""The job status record in Redis, and every write of it: when the job is placed (`record_placed`, in
+placement.py's script) or queued again (`record_requeued`, in leases.py's move and reruns.py's rerun), then
 by the job's current owner (start, store) or by the API (cancel, collect). Every write is a script
 that checks the record first, so the first ending wins and a worker the job was taken from (moved
 off it while it was paused) can neither start it nor store an outcome: the record names its current
@@ -19,7 +20,6 @@ from redis.exceptions import RedisError
 from common.jobs import JobOutcome, JobStatus
 from common.queue import keys
 from common.queue.arq_layout import ARQ_LUA
-from common.queue.placement import CLOCK_TTL
 from common.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("openjev.queue")
@@ -33,6 +33,24 @@ SYNC_ANSWERED_KEEP = 15
 # notice, so a bigger one (hundreds of options on many questions) is announced bare and read back.
 NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
+
+# The record's writes made from other modules' scripts, as Lua functions those scripts include (placement.py's
+# submit, leases.py's move, reruns.py's rerun), so that every write of a job's record is written here.
+RECORD_LUA = """
+-- A job placed: its record `key`, made of `fields` (field/value pairs), kept `ttl` seconds.
+local function record_placed(key, ttl, fields)
+  redis.call('HSET', key, unpack(fields))
+  redis.call('EXPIRE', key, ttl)
+end
+
+-- The job of record `key` queued again, on `queue`, as its next placement ("<job id>.<n>", returned): moved off
+-- a vanished worker, or run again after its engine failed it. `extra`: more field/value pairs to set.
+local function record_requeued(key, job_id, queue, extra)
+  local placement = job_id .. '.' .. redis.call('HINCRBY', key, 'placements', 1)
+  redis.call('HSET', key, 'status', 'queued', 'queue', queue, 'placement', placement, unpack(extra))
+  return placement
+end
+"""
 
 # KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
 # job has not ended; then it is running here (no longer waiting in its queue, nor in its interactive lane,
@@ -56,7 +74,7 @@ if f[5] then
   end
 end
 return {f[3], f[4], tostring(now), attempts}
-""".replace("CLOCK_TTL", str(CLOCK_TTL))
+""".replace("CLOCK_TTL", str(keys.CLOCK_TTL))
 
 
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:

@@ -15,6 +15,7 @@ from common.queue import keys
 from common.queue.arq_layout import ARQ_LUA
 from common.queue.membership import live_workers
 from common.queue.placement import FAIR_ORIGIN_MS
+from common.queue.records import RECORD_LUA
 from common.routing import rank_workers
 
 # KEYS: record, the placement's queue, the target queue; ARGV: arq job id, job id, why. 1: queued on the
@@ -22,16 +23,15 @@ from common.routing import rank_workers
 # start; waiting to start again, in the interactive lane if it was; its worker woken: arq_layout.py), with a
 # copy of the payload; 0: not ours to run again (it ended, was cancelled or moved, or its payload expired).
 # The placement's own arq keys stay for arq, which finishes it.
-_RERUN = ARQ_LUA + """
+_RERUN = ARQ_LUA + RECORD_LUA + """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'lane', 'deadline_at')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 local payload, ttl = arq_payload(ARGV[1])
 if not payload or ttl <= 0 then return 0 end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1]) or 'HEAD_OF_QUEUE'
-local new = ARGV[2] .. '.' .. redis.call('HINCRBY', KEYS[1], 'placements', 1)
+local new = record_requeued(KEYS[1], ARGV[2], KEYS[3], {'last_failure', ARGV[3]})
 local t = redis.call('TIME')
 arq_enqueue(KEYS[3], new, payload, ttl, score, t[1] + t[2] / 1e6, f[3] == 'interactive' and f[4] or nil)
-redis.call('HSET', KEYS[1], 'status', 'queued', 'queue', KEYS[3], 'placement', new, 'last_failure', ARGV[3])
 return 1
 """.replace("HEAD_OF_QUEUE", str(-FAIR_ORIGIN_MS))
 
