@@ -4,7 +4,6 @@ and health."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from typing import Any
@@ -18,6 +17,7 @@ from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
+from common.background import cancel_and_wait
 from common.contract import ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
 from common.queue.placement import Admission
@@ -62,9 +62,7 @@ async def _run_unless_disconnected(request: Request, job: JobSpec, admission: Ad
     finally:
         hangup.cancel()
     if not waiting.done():
-        waiting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiting
+        await cancel_and_wait(waiting)
         await _end(request, job, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
         raise ClientDisconnected("the client disconnected before the answer")
     return waiting.result()

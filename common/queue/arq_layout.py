@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from common.queue import keys
 
-SIDE_SET_SLACK_MS = 60_000  # how far past the placement that moves it a queue's side set's expiry is set
-
 ARQ_LUA = f"""
 local ARQ_JOB, ARQ_IN_PROGRESS, ARQ_RETRY = '{keys.ARQ_JOB}', '{keys.ARQ_IN_PROGRESS}', '{keys.ARQ_RETRY}'
 local ARQ_ABORTS = '{keys.ARQ_ABORTS}'
@@ -36,7 +34,7 @@ local function arq_enqueue(queue, id, payload, ttl_ms, score, since, deadline)
   -- The side sets outlive every member's deadline; their expiry moves past what this placement needs, so
   -- the placements that follow within that time find it far enough and leave it (one PTTL each).
   for _, key in ipairs(sides) do
-    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms + {SIDE_SET_SLACK_MS}) end
+    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms + {keys.BOUND_SLACK * 1000}) end
   end
   redis.call('PUBLISH', queue .. '{keys.WAKE_SUFFIX}', 'job ' .. id .. ' ' .. score)
 end

@@ -78,6 +78,9 @@ def waiting_key(queue: str) -> str:
 
 
 CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
+# Seconds a bounded set's expiry (a tenant's counts, a queue's waiting and interactive sets) is moved past the
+# job that moves it, so the jobs that follow within that time find it far enough and leave it (fewer EXPIREs).
+BOUND_SLACK = 60
 
 TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
 

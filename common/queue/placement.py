@@ -43,7 +43,6 @@ FAIR_ORIGIN_MS = 10**15  # scores are fair starts (virtual ms from 0) less this:
 INTERACTIVE_LEAD_MS = 30_000  # an interactive job is queued as if its fair start were this much earlier: it goes
 # before batch work, but never before a batch job whose fair start is this much earlier than its own
 PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt (warm call + branches), at weight 1
-BOUND_SLACK = 60  # seconds a bounded set's expiry is moved past the job that moves it (fewer EXPIREs)
 
 # KEYS[1] workers zset. ARGV: 1 liveness window (s), 2 routing hash prefix, 3 policy, 4 route key, 5 load
 # factor, 6 seconds the job may take, 7 round robin counter key, 8 job id, 9 record key, 10 record ttl past
@@ -162,7 +161,7 @@ for _, key in ipairs(bounded) do
 end
 if ARGV[12] ~= '' then redis.call('SET', ARGV[12], ARGV[8] .. ':' .. ARGV[13], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline)}
-""".replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(BOUND_SLACK))
+""".replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(keys.BOUND_SLACK))
 
 
 @dataclass(frozen=True)
