@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpcore
 import orjson
 
 from common.background import BackgroundWork
-from worker.engine_http import TRANSPORT_ERRORS, EngineHttp, TimeoutException, header
+from worker.engine_http import TRANSPORT_ERRORS, CallTimeout, EngineHttp
 
 log = logging.getLogger("openjev.worker")
 
@@ -169,7 +168,7 @@ class EngineClient:
         self._repeats.start(self._repeat_abort(rid), f"repeating the abort of {rid} failed")
 
     async def _send_abort(self, rid: str) -> None:
-        with contextlib.suppress(*TRANSPORT_ERRORS, TimeoutException):
+        with contextlib.suppress(*TRANSPORT_ERRORS, CallTimeout):
             await self._http.request("POST", "/abort_request", 5.0, orjson.dumps({"rid": rid}))
 
     async def _repeat_abort(self, rid: str) -> None:
@@ -183,12 +182,11 @@ class EngineClient:
         """POST /generate and return its decoded JSON, read no further than the answer bound."""
         limit = prompts * self.max_answer_bytes
         hung = self.call_limit is not None and self.call_limit < timeout  # the call limit ends it before the deadline
+        call_timeout = max(min(timeout, self.call_limit or timeout), 0.001)
         self.in_flight += 1
         try:
-            async with self._http.stream("POST", "/generate", max(min(timeout, self.call_limit or timeout), 0.001),
-                                         body) as response:
-                raw = await _read_bounded(response, limit)
-        except TimeoutException as exc:
+            status, raw = await self._http.request("POST", "/generate", call_timeout, body, limit=limit)
+        except CallTimeout as exc:
             if hung:
                 raise EngineUnavailable(f"engine call {rid} got no answer within {self.call_limit:g} s") from exc
             raise TimeoutError(f"engine call {rid} timed out") from exc
@@ -198,8 +196,8 @@ class EngineClient:
             self.in_flight -= 1
         if raw is None:
             raise EngineError(f"engine answer to {rid} exceeds {limit} bytes ({prompts} prompts)")
-        if response.status != 200:
-            raise _http_error(response.status, _error_message(raw), rid)
+        if status != 200:
+            raise _http_error(status, _error_message(raw), rid)
         self.last_answer_at = time.monotonic()
         try:
             return orjson.loads(raw)
@@ -228,21 +226,6 @@ def score_request(prefix: SharedPrefix, branches: Sequence[BranchPrompt], max_ne
         "return_text_in_logprobs": False,
     }
     return orjson.dumps(body)
-
-
-async def _read_bounded(response: httpcore.Response, limit: int) -> bytes | None:
-    """The body, or None once it passes `limit` bytes (the rest is never read)."""
-    declared = header(response, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _meta_info(answer: Any, rid: str) -> dict[str, Any]:

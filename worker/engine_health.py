@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from worker.engine_http import TRANSPORT_ERRORS, EngineHttp, TimeoutException
+from worker.engine_http import TRANSPORT_ERRORS, CallTimeout, EngineHttp
 
 log = logging.getLogger("openjev.worker")
 
 PROBE_KEEPALIVE = 4.0  # seconds an idle probe connection is kept
+PROBE_ANSWER_BYTES = 64 * 1024  # the most of a /health answer read: its status is what counts
 
 
 class Probe(StrEnum):
@@ -73,8 +74,8 @@ class EngineHealth:
         """Probe `/health` once and record the result."""
         started = time.monotonic()
         try:
-            status, _ = await self._http.request("GET", "/health", self.policy.timeout)
-        except TimeoutException:
+            status, _ = await self._http.request("GET", "/health", self.policy.timeout, limit=PROBE_ANSWER_BYTES)
+        except CallTimeout:
             result = Probe.silent
         except TRANSPORT_ERRORS:
             result = Probe.refused

@@ -14,6 +14,7 @@ import socket
 import time
 from typing import Any
 
+import uvloop
 from arq import Worker
 from arq.connections import ArqRedis
 from arq.worker import func
@@ -195,7 +196,9 @@ def _redis(settings: Settings) -> ArqRedis:
 
 
 def run_worker(settings: Settings) -> int:
-    """Run a worker until a signal or its engine goes away; the exit status says which."""
+    """Run a worker until a signal or its engine goes away; the exit status says which. arq runs on the
+    loop current when its Worker is built: uvloop's, as the API's uvicorn runs on (bench/RESULTS-cpu.md)."""
+    asyncio.set_event_loop(uvloop.new_event_loop())
     worker = build_worker(settings)
     worker.run()
     state: WorkerState = worker.ctx["state"]
