@@ -14,7 +14,6 @@ import socket
 import time
 from typing import Any
 
-import uvloop
 from arq import Worker
 from arq.connections import ArqRedis
 from arq.worker import func
@@ -195,10 +194,19 @@ def _redis(settings: Settings) -> ArqRedis:
     return redis_connection(settings, retries=REDIS_RETRIES)
 
 
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop (uvicorn[standard] installs it everywhere but on Windows), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def run_worker(settings: Settings) -> int:
     """Run a worker until a signal or its engine goes away; the exit status says which. arq runs on the
-    loop current when its Worker is built: uvloop's, as the API's uvicorn runs on (bench/RESULTS-cpu.md)."""
-    asyncio.set_event_loop(uvloop.new_event_loop())
+    loop current when its Worker is built: uvloop's where it is installed, as for the API's uvicorn."""
+    asyncio.set_event_loop(_event_loop())
     worker = build_worker(settings)
     worker.run()
     state: WorkerState = worker.ctx["state"]
