@@ -171,8 +171,7 @@ class JobQueue:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     return None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                await asyncio.wait((future,), timeout=min(left, RECHECK_INTERVAL))
                 if future.done() and (announced := future.result()) is not None:
                     return JobOutcome.model_validate_json(announced)
                 with _reachable():
@@ -194,8 +193,8 @@ class JobQueue:
                 left = give_up - time.monotonic()
                 if record is None or record.status.terminal or left <= 0:
                     return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(future), min(left, RECHECK_INTERVAL))
+                done, _ = await asyncio.wait((future,), timeout=min(left, RECHECK_INTERVAL))
+                if done:
                     return
         finally:
             self.waiter.forget(job_id, future)

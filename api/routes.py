@@ -17,7 +17,6 @@ from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
-from common.background import cancel_and_wait
 from common.contract import ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
 from common.queue.placement import Admission
@@ -53,19 +52,30 @@ async def systemone(request: Request,
 
 async def _run_unless_disconnected(request: Request, job: JobSpec, admission: Admission) -> JobOutcome | None:
     """Submit the job and return its outcome; None past its deadline. A client that hangs up ends
-    it as cancelled (499), once: ClientDisconnected carries that to the log and the metrics."""
+    it as cancelled (499), once: ClientDisconnected carries that to the log and the metrics. The job is
+    waited for in this request's own task; a watcher of the connection cancels that wait on a hang-up."""
     queue = request.app.state.services.queue
-    waiting = asyncio.create_task(queue.run(job, job.remaining(), admission))
+    route = asyncio.current_task()
+    assert route is not None
+    watching = True
+
+    def on_hangup(watch: asyncio.Task[None]) -> None:
+        if watching and not watch.cancelled() and watch.exception() is None:
+            route.cancel()
+
     hangup = asyncio.create_task(_disconnected(request))
+    hangup.add_done_callback(on_hangup)
     try:
-        await asyncio.wait({waiting, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        return await queue.run(job, job.remaining(), admission)
+    except asyncio.CancelledError:
+        if not (hangup.done() and not hangup.cancelled() and hangup.exception() is None):
+            raise  # not the hang-up: the server is stopping
+        route.uncancel()
     finally:
+        watching = False
         hangup.cancel()
-    if not waiting.done():
-        await cancel_and_wait(waiting)
-        await _end(request, job, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
-        raise ClientDisconnected("the client disconnected before the answer")
-    return waiting.result()
+    await _end(request, job, JobStatus.cancelled, "cancelled", "the client disconnected", 499)
+    raise ClientDisconnected("the client disconnected before the answer")
 
 
 async def _end(request: Request, job: JobSpec, status: JobStatus, error_type: str, message: str,

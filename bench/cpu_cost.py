@@ -35,12 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import orjson
+import uvloop
 
 from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST
 from harness.procfs import cpu_seconds, run_seconds, wakeups
 from harness.stacks import model_cache_dir
 from openjev.embedded_redis import SERVE_HZ, free_port, start_redis
+from worker.engine_http import EngineHttp
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BASELINE = "3c3aab0"  # main before batched branch calls (2026-12-01)
@@ -168,28 +171,33 @@ def baseline_checkout(revision: str) -> Iterator[Path]:
 
 
 async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
-    """Send `requests` copies of `body`, `concurrency` at a time; returns the wall seconds."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        remaining = iter(range(requests))
+    """Send `requests` copies of `body`, `concurrency` at a time; returns the wall seconds. The client is the
+    worker's own HTTP/1.1 pool (worker/engine_http.py), a tenth of httpx's CPU per call: with httpx, 64
+    callers took most of a core on this 2-vCPU machine, and the stacks measured competed with it."""
+    client = EngineHttp(url, max_connections=concurrency)
+    payload = orjson.dumps(body)
+    remaining = iter(range(requests))
 
-        async def caller() -> None:
-            for _ in remaining:
-                for _attempt in range(RETRIES_503):
-                    response = await client.post("/v1/systemone", json=body)
-                    if response.status_code != 503:
-                        break
-                    # On an overloaded machine the baseline's worker may miss a heartbeat while its
-                    # engine health check waits (fixed since); retry rather than abort the run.
-                    retried_503[url] = retried_503.get(url, 0) + 1
-                    await asyncio.sleep(0.5)
-                if response.status_code != 200:  # counted and reported; one failure must not lose the run
-                    failed[url] = failed.get(url, 0) + 1
-                    print(f"{url}: {response.status_code} {response.text[:300]}", file=sys.stderr)
+    async def caller() -> None:
+        for _ in remaining:
+            for _attempt in range(RETRIES_503):
+                status, answer = await client.request("POST", "/v1/systemone", 300, payload)
+                if status != 503:
+                    break
+                # On an overloaded machine the baseline's worker may miss a heartbeat while its
+                # engine health check waits (fixed since); retry rather than abort the run.
+                retried_503[url] = retried_503.get(url, 0) + 1
+                await asyncio.sleep(0.5)
+            if status != 200:  # counted and reported; one failure must not lose the run
+                failed[url] = failed.get(url, 0) + 1
+                print(f"{url}: {status} {(answer or b'')[:300]!r}", file=sys.stderr)
 
-        started = time.perf_counter()
+    started = time.perf_counter()
+    try:
         await asyncio.gather(*(caller() for _ in range(concurrency)))
-        return time.perf_counter() - started
+    finally:
+        await client.aclose()
+    return time.perf_counter() - started
 
 
 def engine_calls(stack: Stack) -> int:
@@ -210,7 +218,7 @@ def redis_counts(stack: Stack) -> tuple[int, int]:
 def measure(stack: Stack, scenario: Scenario) -> Sample:
     calls_before, (commands_before, reads_before) = engine_calls(stack), redis_counts(stack)
     before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
-    wall = asyncio.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
+    wall = uvloop.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
     after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
     calls = (engine_calls(stack) - calls_before) / scenario.requests
@@ -318,8 +326,8 @@ def state_of(tokens: int, tokenizer_dir: Path) -> str:
     return sentence * max(1, round(tokens / per_sentence))
 
 
-def scenarios(model_dir: Path, quick: bool) -> list[Scenario]:
-    scale = 0.25 if quick else 1.0
+def scenarios(model_dir: Path, scale: float) -> list[Scenario]:
+    """The workloads, with `scale` times their default number of requests."""
 
     def n(count: int) -> int:
         return max(4, int(count * scale))
@@ -400,6 +408,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per scenario and stack")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="times the default number of requests per run: CPU is read in 10 ms ticks per process, "
+                             "so a run of a few hundred ms (24 README requests at c=1) moves by a tick's share "
+                             "(~20%%); --scale 8 brings that under 3%%")
     parser.add_argument("--idle-only", action="store_true", help="only the stacks at rest (no requests)")
     parser.add_argument("--idle-floor", action="store_true",
                         help="only this checkout at rest, with liveness trimmed (poll, probe, Redis hz), beside a "
@@ -419,7 +431,7 @@ def main() -> int:
     if args.idle_floor:
         print("\n".join(idle_floor(model_dir, log_dir, args.rounds, args.idle_seconds, args.awake_cores)), flush=True)
         return 0
-    found = [] if args.idle_only else scenarios(model_dir, args.quick)
+    found = [] if args.idle_only else scenarios(model_dir, 0.25 if args.quick else args.scale)
     if args.only:
         found = [s for s in found if any(text in s.name for text in args.only)]
     with ExitStack() as resources:
@@ -431,7 +443,7 @@ def main() -> int:
         stacks = [resources.enter_context(running_stack(stack, model_dir, log_dir)) for stack in wanted]
         for stack in stacks:  # connections, tokenizer caches, the engine's first calls
             for scenario in found:
-                asyncio.run(load(stack.url, scenario.body, 4, 8))
+                uvloop.run(load(stack.url, scenario.body, 4, 8))
         results: dict[tuple[str, str], list[Sample]] = {}
         idle: dict[str, list[dict[str, float]]] = {s.name: [] for s in stacks}
         for round_index in range(args.rounds):
