@@ -129,6 +129,24 @@ async def test_the_installed_arq_reads_the_job_layout_the_queue_writes(redis) ->
     assert job.score is not None and job.score < time.time() * 1000  # due at once on any worker's clock
 
 
+def test_arqs_start_log_names_the_job_without_its_prompt() -> None:
+    """arq formats a job's arguments for its start log line (`args_to_string`) whether or not the line is
+    logged: the job the worker's deserializer hands it reads as its id, never as its token ids."""
+    import orjson
+    from arq.jobs import deserialize_job_raw, serialize_job
+    from arq.utils import args_to_string
+
+    from common.jobs import deserialize, serialize
+    from common.queue import keys
+
+    job = {"id": "job_logged", "prefix_ids": [9911, 9922, 9933], "branches": [{"suffix_ids": [9944]}]}
+    raw = serialize_job(keys.JOB_FUNCTION, (orjson.Fragment(orjson.dumps(job)),), {}, None, 123, serializer=serialize)
+    function, args, kwargs, _, _ = deserialize_job_raw(raw, deserializer=deserialize)
+    assert function == keys.JOB_FUNCTION and args == [job] and kwargs == {}  # the same job, as a dict
+    line = args_to_string(args, kwargs)
+    assert "job_logged" in line and not any(str(n) in line for n in (9911, 9922, 9933, 9944)), line
+
+
 def test_arq_keys_are_written_only_through_arq_layout() -> None:
     """One owner of arq's layout: no product module but common/queue/keys.py (the names) and
     common/queue/arq_layout.py (the Lua functions every script includes) names arq's keys, and each script
