@@ -10,7 +10,8 @@ What the tick did besides: it refreshed the `Date` header once a second; the app
 (`api.middleware.RequestContext`), so uvicorn's is switched off, and with it the `server: uvicorn`
 header (it told a client only which software answers). Its `limit_max_requests` check is not used
 here. A second signal during the graceful shutdown stops waiting for open connections, as a second
-Ctrl-C does under `uvicorn.run`.
+Ctrl-C does under `uvicorn.run`. Once started, the process's heap is frozen out of the garbage
+collector's passes (common/heap.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+
+from common.heap import freeze_startup_heap
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -56,6 +59,7 @@ async def serve(server: uvicorn.Server, on_stop: Callable[[], None] | None = Non
     try:
         await server.startup()
         if server.started:
+            freeze_startup_heap()  # the app, its schemas and the tokenizer exist now
             await stop.wait()
             await server.shutdown()
     finally:

@@ -367,12 +367,23 @@ def spread(samples: list[Sample]) -> str:
     return f"{max(totals) / min(totals):.2f}× ({min(calls):.1f}-{max(calls):.1f} calls)" if min(totals) else "–"
 
 
+def paired_ratio(rounds: list[Sample], baseline_rounds: list[Sample]) -> str:
+    """The median of each round's ratio to the baseline's run in the same round, with their range: each
+    round runs the two stacks back to back, so a drift of the machine's speed between rounds (a shared
+    host's neighbours) cancels out of each pair, where it stays in the ratio of the two medians."""
+    ratios = sorted(a.total / b.total for a, b in zip(rounds, baseline_rounds, strict=True) if b.total)
+    if not ratios:
+        return "–"
+    return f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], found: list[Scenario],
            idle: dict[str, list[dict[str, float]]]) -> list[str]:
     base, new = stacks[0].name, stacks[-1].name
     lines = ["| scenario | stack | API | worker | Redis | total CPU-ms/request | requests/s | total ratio "
-             "| engine calls/request | Redis commands/request | Redis round trips/request | spread across rounds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| paired ratio | engine calls/request | Redis commands/request | Redis round trips/request "
+             "| spread across rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     medians = {key: median_sample(samples) for key, samples in results.items()}
     for scenario in found:
         reference = medians[(scenario.name, base)].total
@@ -380,9 +391,11 @@ def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], fo
             m = medians[(scenario.name, stack.name)]
             ratio = "" if stack.name == base else f"**{m.total / reference:.2f}×**"
             rounds = results[(scenario.name, stack.name)]
+            paired = "" if stack.name == base else paired_ratio(rounds, results[(scenario.name, base)])
             lines.append(f"| {scenario.name} | {stack.name} | {m.cpu_ms['api']:.2f} | {m.cpu_ms['worker']:.2f} | "
-                         f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} | {m.engine_calls:.1f} | "
-                         f"{m.redis_commands:.1f} | {m.redis_round_trips:.1f} | {spread(rounds)} |")
+                         f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} | {paired} | "
+                         f"{m.engine_calls:.1f} | {m.redis_commands:.1f} | {m.redis_round_trips:.1f} | "
+                         f"{spread(rounds)} |")
     lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
     for stack in stacks:
         by_questions = [(s.questions, medians[(s.name, stack.name)].total) for s in found

@@ -20,6 +20,7 @@ from arq.worker import func
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from common.heap import freeze_startup_heap
 from common.jobs import deserialize, serialize
 from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
@@ -71,6 +72,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     await heartbeat(redis, info)
     state.tasks["health_watch"] = asyncio.create_task(health.watch())
     state.tasks["heartbeat"] = asyncio.create_task(_keep_alive(state))
+    freeze_startup_heap()
     log.info("worker %s serving queue %s against %s", info.id, info.queue, settings.engine_url)
 
 
