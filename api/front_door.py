@@ -9,17 +9,12 @@ methods) and answers 400, 405, 408, 431 or 503 itself. h11 rather than uvicorn's
 h11 turns down a protocol switch (`Upgrade: h2c`, `Upgrade: websocket`) by answering over HTTP/1.1 and
 keeps the connection, as nginx does, where httptools stops parsing the connection after one. The body
 deadline is the body gate's (api/middleware.py), which answers 408 from inside the app; here a body
-that never completes only gets its connection closed after it.
-
-uvicorn's protocol writes a response's head and its body in two calls to the transport, and on loopback
-each send system call costs the API about as much as parsing the request (bench/RESULTS-cpu.md), so it
-writes through `OneSendPerTurn`, which sends what one turn of the event loop wrote in one call."""
+that never completes only gets its connection closed after it."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -67,76 +62,6 @@ class OpenConnections:
         self.count = 0
 
 
-class OneSendPerTurn:
-    """A connection's transport as the front door and uvicorn's protocol see it: their writes within one
-    turn of the event loop go out in one send at the end of the turn (a response's head and body, which
-    uvicorn writes separately), in the order they were written. Closing, or ending the writing side,
-    sends what is pending first."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self.transport = transport
-        self.loop = loop
-        self.pending: list[bytes] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
-            return
-        if not self.pending:
-            self.loop.call_soon(self.flush)
-        self.pending.append(bytes(data))
-
-    def writelines(self, lines: Iterable[bytes | bytearray | memoryview]) -> None:
-        for data in lines:
-            self.write(data)
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
-        self.pending.clear()
-        if not self.transport.is_closing():
-            self.transport.write(data)
-
-    def close(self) -> None:
-        self.flush()
-        self.transport.close()
-
-    def abort(self) -> None:
-        self.pending.clear()
-        self.transport.abort()
-
-    def can_write_eof(self) -> bool:
-        return self.transport.can_write_eof()
-
-    def write_eof(self) -> None:
-        self.flush()
-        self.transport.write_eof()
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.transport.get_extra_info(name, default)
-
-    def pause_reading(self) -> None:
-        self.transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self.transport.resume_reading()
-
-    def is_reading(self) -> bool:
-        return self.transport.is_reading()
-
-    def get_write_buffer_size(self) -> int:
-        return self.transport.get_write_buffer_size() + sum(len(data) for data in self.pending)
-
-    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self.transport.set_protocol(protocol)
-
-    def get_protocol(self) -> asyncio.BaseProtocol:
-        return self.transport.get_protocol()
-
-
 class FrontDoor(asyncio.Protocol):
     """One connection: the limits are checked on the raw bytes, then the bytes go to uvicorn."""
 
@@ -146,7 +71,7 @@ class FrontDoor(asyncio.Protocol):
         self.inner = H11Protocol(**uvicorn)
         self.loop = self.inner.loop
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: OneSendPerTurn | None = None
+        self.transport: asyncio.Transport | None = None
         self.admitted = False
         self.refused = False  # answered by us; what still arrives is read and dropped until the close
         self.in_head = False  # inside a request's line and headers
@@ -159,7 +84,7 @@ class FrontDoor(asyncio.Protocol):
     # asyncio.Protocol, forwarded to uvicorn's protocol once the limits allow.
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self.transport = OneSendPerTurn(transport, self.loop)
+        self.transport = transport
         if self.open.count >= self.limits.max_connections:
             self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, f"the server holds its limit of "
                          f"{self.limits.max_connections} open connections; retry shortly", {"retry-after": "1"})
@@ -167,7 +92,7 @@ class FrontDoor(asyncio.Protocol):
         self.open.count += 1
         self.admitted = True
         self._arm_header_timer()
-        self.inner.connection_made(self.transport)  # type: ignore[arg-type]
+        self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if self.refused or not self.admitted or transport_closing(self.transport):
@@ -307,5 +232,5 @@ _ERROR_TYPES = {
 }
 
 
-def transport_closing(transport: OneSendPerTurn | None) -> bool:
+def transport_closing(transport: asyncio.Transport | None) -> bool:
     return transport is None or transport.is_closing()

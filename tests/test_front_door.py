@@ -4,7 +4,6 @@ Raw sockets play the clients that real HTTP libraries would never be."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gzip
 import json
@@ -16,7 +15,6 @@ from contextlib import closing
 import httpx
 import pytest
 
-from api.front_door import OneSendPerTurn
 from harness.processes import Proc, start_api
 from harness.stacks import Stack
 
@@ -280,65 +278,15 @@ def test_with_the_key_the_same_bad_bodies_get_their_own_4xx(keyed: Proc) -> None
     assert httpx.post(url, content=REQUEST, headers=auth, timeout=30).status_code == 200
 
 
-# --- one send per response ---------------------------------------------------------------------------
+# --- pipelining ---------------------------------------------------------------------------------------
 
 
 def test_pipelined_requests_are_answered_whole_and_in_order(door: Proc) -> None:
-    """Three requests in one packet, the middle one refused by the app (malformed JSON): three whole answers, in order
-    (uvicorn's writes go out through `OneSendPerTurn`, a turn of the event loop at a time)."""
+    """Three requests in one packet, the middle one refused by the app (malformed JSON): three whole
+    answers, in order, on the one connection."""
     bad = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1\r\n\r\n{"
     with closing(connect(door)) as sock:
         sock.sendall(HEALTH + b"\r\n" + bad + HEALTH + b"\r\n")
         answers = [read_response(sock) for _ in range(3)]
     assert [status_of(a) for a in answers] == [200, 422, 200], answers
     assert all(a.count(b"HTTP/1.1 ") == 1 for a in answers)
-
-
-class Recording(asyncio.Transport):
-    """A transport that records the calls made of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, bytes]] = []
-        self.closing = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.calls.append(("write", bytes(data)))
-
-    def write_eof(self) -> None:
-        self.calls.append(("write_eof", b""))
-
-    def can_write_eof(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.calls.append(("close", b""))
-        self.closing = True
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-
-def test_what_one_turn_writes_goes_out_in_one_send_and_before_a_close() -> None:
-    async def main() -> list[tuple[str, bytes]]:
-        transport = Recording()
-        door = OneSendPerTurn(transport, asyncio.get_running_loop())
-        door.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
-        door.write(b"")
-        door.writelines([b"o", b"k"])
-        assert transport.calls == [] and door.get_write_buffer_size() == 40
-        await asyncio.sleep(0)  # the end of this turn
-        door.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-        door.write_eof()  # sends what is pending first
-        door.write(b"late")
-        door.close()
-        door.write(b"after the close")
-        await asyncio.sleep(0)
-        return transport.calls
-
-    assert asyncio.run(main()) == [("write", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"),
-                                   ("write", b"HTTP/1.1 400 Bad Request\r\n\r\n"), ("write_eof", b""),
-                                   ("write", b"late"), ("close", b"")]
