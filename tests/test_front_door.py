@@ -252,6 +252,17 @@ def test_an_upgrade_is_ignored_and_answered_over_http_1_1_on_a_kept_connection(d
         assert b"x-typesafe-request-id: req_" in response
 
 
+@pytest.mark.parametrize("upgrade", [
+    b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+    b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\n"], ids=["h2c", "websocket"])
+def test_a_request_sent_right_behind_an_upgrade_in_one_packet_is_answered_too(door: Proc, upgrade: bytes) -> None:
+    with closing(connect(door)) as sock:
+        sock.sendall(HEALTH + upgrade + b"\r\n" + HEALTH + b"\r\n")
+        answers = [read_response(sock) for _ in range(2)]
+    assert [status_of(a) for a in answers] == [200, 200], answers
+
+
 # --- the key before the body ---------------------------------------------------------------------
 
 
