@@ -79,6 +79,26 @@ def read_response(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + rest
 
 
+def read_responses(sock: socket.socket, count: int) -> list[bytes]:
+    """`count` responses on a kept-alive connection, however the server's writes were cut into reads
+    (pipelined answers may come in one)."""
+    data, responses = b"", []
+    while len(responses) < count:
+        if b"\r\n\r\n" in data:
+            head, rest = data.split(b"\r\n\r\n", 1)
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            if len(rest) >= length:
+                responses.append(head + b"\r\n\r\n" + rest[:length])
+                data = rest[length:]
+                continue
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"the server closed the connection after {len(responses)} of {count} answers")
+        data += chunk
+    return responses
+
+
 def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1])
 
@@ -259,7 +279,7 @@ def test_an_upgrade_is_ignored_and_answered_over_http_1_1_on_a_kept_connection(d
 def test_a_request_sent_right_behind_an_upgrade_in_one_packet_is_answered_too(door: Proc, upgrade: bytes) -> None:
     with closing(connect(door)) as sock:
         sock.sendall(HEALTH + upgrade + b"\r\n" + HEALTH + b"\r\n")
-        answers = [read_response(sock) for _ in range(2)]
+        answers = read_responses(sock, 2)
     assert [status_of(a) for a in answers] == [200, 200], answers
 
 
@@ -298,6 +318,6 @@ def test_pipelined_requests_are_answered_whole_and_in_order(door: Proc) -> None:
     bad = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1\r\n\r\n{"
     with closing(connect(door)) as sock:
         sock.sendall(HEALTH + b"\r\n" + bad + HEALTH + b"\r\n")
-        answers = [read_response(sock) for _ in range(3)]
+        answers = read_responses(sock, 3)
     assert [status_of(a) for a in answers] == [200, 422, 200], answers
     assert all(a.count(b"HTTP/1.1 ") == 1 for a in answers)
