@@ -257,10 +257,13 @@ def test_connect_gets_405_with_the_contract_error(door: Proc) -> None:
     assert json_body(response)["detail"]["error_type"] == "method_not_allowed"
 
 
-@pytest.mark.parametrize("upgrade", [
+UPGRADES = pytest.mark.parametrize("upgrade", [
     b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
     b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-    b"Sec-WebSocket-Version: 13\r\n"], ids=["h2c", "websocket"])
+    b"Sec-WebSocket-Version: 13\r\n"], ids=["h2c", "websocket"])  # protocol switch proposals, turned down
+
+
+@UPGRADES
 def test_an_upgrade_is_ignored_and_answered_over_http_1_1_on_a_kept_connection(door: Proc, upgrade: bytes) -> None:
     with closing(connect(door)) as sock:
         sock.sendall(HEALTH + upgrade + b"\r\n")
@@ -272,10 +275,7 @@ def test_an_upgrade_is_ignored_and_answered_over_http_1_1_on_a_kept_connection(d
         assert b"x-typesafe-request-id: req_" in response
 
 
-@pytest.mark.parametrize("upgrade", [
-    b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
-    b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-    b"Sec-WebSocket-Version: 13\r\n"], ids=["h2c", "websocket"])
+@UPGRADES
 def test_a_request_sent_right_behind_an_upgrade_in_one_packet_is_answered_too(door: Proc, upgrade: bytes) -> None:
     with closing(connect(door)) as sock:
         sock.sendall(HEALTH + upgrade + b"\r\n" + HEALTH + b"\r\n")

@@ -77,7 +77,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(ProtocolError(f"engine sent a malformed HTTP answer: {exc}"))
+            self.fail(ProtocolError(f"engine sent a malformed HTTP answer: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -87,7 +87,7 @@ class _Connection(asyncio.Protocol):
         if self._headers_done and not self._length_known:
             self._finish(b"".join(self._chunks))  # an answer delimited by the end of the connection
         else:
-            self._fail(ConnectionClosed(f"engine closed the connection before its answer ended ({exc!r})"))
+            self.fail(ConnectionClosed(f"engine closed the connection before its answer ended ({exc!r})"))
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -128,10 +128,6 @@ class _Connection(asyncio.Protocol):
         """Whether the last answer ended cleanly on a connection both sides keep open."""
         return self._reusable and not self.closed
 
-    def fail(self, exc: Exception) -> None:
-        """End the call in flight with `exc` (its time ran out) and close the connection."""
-        self._fail(exc)
-
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -145,7 +141,8 @@ class _Connection(asyncio.Protocol):
         if body is None:
             self.close()  # the rest of an answer past its bound is never read
 
-    def _fail(self, exc: Exception) -> None:
+    def fail(self, exc: Exception) -> None:
+        """End the call in flight with `exc` (its time ran out, or the bytes are broken) and close the connection."""
         if self._answer is not None and not self._answer.done():
             self._answer.set_exception(exc)
         self.close()
