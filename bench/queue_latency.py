@@ -6,8 +6,9 @@ completion pushed back), against the same engine, in the same run, interleaved.
         [--poll-delay 0.5] [--no-wakeups] [--trace 100] [--awake-cores]
 
 Prints p50/p99 per path and the difference at concurrency 1 and 16, then what the worker costs while
-idle (arq's poll every poll_delay, heartbeats, health probes): CPU of the worker process and of Redis
-over 10 s with no job. `--no-wakeups` leaves the worker to arq's poll alone (OPENJEV_WORKER_WAKEUPS=false).
+idle (its look at the queue and arq's poll of aborts every poll_delay, heartbeats, health probes): CPU
+of the worker process and of Redis over 10 s with no job. `--no-wakeups` leaves the worker to its look at
+the queue alone (OPENJEV_WORKER_WAKEUPS=false).
 `--trace N` then follows N more jobs at concurrency 1 through Redis's MONITOR and prints where each one's
 time went, stage by stage, on Redis's clock (MONITOR itself slows Redis a little; the hop above is measured
 without it). `--awake-cores` runs the measurements (not the idle figure) beside one nice-19 busy loop per
@@ -240,7 +241,7 @@ def main() -> int:
     parser.add_argument("--engine", choices=["scripted", "cpu"], default="scripted")
     parser.add_argument("--requests", type=int, default=200, help="per path and concurrency")
     parser.add_argument("--poll-delay", type=float, default=Settings().worker_poll_delay,
-                        help="the worker's OPENJEV_WORKER_POLL_DELAY (arq's poll_delay), seconds")
+                        help="the worker's OPENJEV_WORKER_POLL_DELAY (its look at the queue; arq's poll_delay), s")
     parser.add_argument("--wakeups", action=argparse.BooleanOptionalAction, default=True,
                         help="the worker's OPENJEV_WORKER_WAKEUPS (default on)")
     parser.add_argument("--awake-cores", action="store_true",

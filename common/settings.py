@@ -136,12 +136,13 @@ class Settings(BaseSettings):
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(
-        default=4.0, gt=0, le=5.0, description="Seconds between a worker's looks at its queue and at aborts "
-        "(arq's poll_delay), the fallback for wake-ups it missed (worker/wakeups.py): new and cancelled jobs reach "
-        "it at once; see bench/RESULTS-cpu.md for its cost at rest.")
+        default=4.0, gt=0, le=5.0, description="Seconds between a worker's looks at its queue (worker/wakeups.py) "
+        "and at aborts (arq's poll_delay), the fallback for wake-ups it missed: new and cancelled jobs reach it at "
+        "once; see bench/RESULTS-cpu.md for its cost at rest.")
     worker_wakeups: bool = Field(
         default=True, description="Listen on the queue's wake channel (Redis pub/sub) so new and cancelled jobs "
-        "reach the worker at once; false for a Redis that refuses SUBSCRIBE, and then set a short poll delay.")
+        "reach the worker at once; false for a Redis that refuses SUBSCRIBE (jobs then start on the look at the "
+        "queue alone), and then set a short poll delay.")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "openjev")
     cpu_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         default="auto", description="The CPU engine's dtype; auto: bfloat16 where the CPU has bf16 instructions, "

@@ -1,7 +1,7 @@
 """arq is used as its authors meant: no subclass of its Worker, no override of its methods, no
 `_`-prefixed arq name anywhere in the project; and since the queue writes arq's job layout itself
-(common/queue/placement.py) and worker/wakeups.py drives `Worker.start_jobs`, arq is pinned exactly and
-the installed release is checked to read what the queue writes."""
+(common/queue/placement.py) and worker/wakeups.py drives `Worker.start_jobs` and its slot accounting, arq is pinned
+exactly and the installed release is checked to read what the queue writes and to have what the claims drive."""
 
 from __future__ import annotations
 
@@ -163,3 +163,21 @@ def test_arq_keys_are_written_only_through_arq_layout() -> None:
 
     for script in (placement._SUBMIT, leases._MOVE, leases._RESUME, reruns._RERUN, records._CANCEL):
         assert script.startswith(ARQ_LUA)
+
+
+def test_the_worker_attributes_the_claims_drive_are_arqs_public_ones() -> None:
+    """worker/wakeups.py claims every job through arq's `start_jobs` and keeps arq's slot accounting
+    (`job_counter`, `sem`) right when Redis breaks a claim off; it reads `max_jobs`, `tasks` and
+    `queue_read_limit`, and turns `allow_pick_jobs` off. The pinned release has them all, public."""
+    import asyncio
+
+    from arq import Worker
+    from arq.worker import func
+
+    async def noop(ctx: dict) -> None:
+        return None
+
+    worker = Worker(functions=[func(noop, name="noop")], max_jobs=3, queue_read_limit=7)
+    assert callable(worker.start_jobs) and isinstance(worker.sem, asyncio.Semaphore)
+    assert (worker.job_counter, worker.max_jobs, worker.queue_read_limit, worker.tasks) == (0, 3, 7, {})
+    assert worker.allow_pick_jobs is True  # what the claims turn off

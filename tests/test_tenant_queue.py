@@ -34,7 +34,7 @@ async def place(dispatcher: Dispatcher, job_id: str, admission: Admission,
 
 
 async def start_order(redis: Redis) -> list[str]:
-    """The queue's jobs in the order they start: lowest score first, as arq's poll takes them."""
+    """The queue's jobs in the order they start: lowest score first, as the worker claims them."""
     return [keys.job_of(entry.decode()) for entry in await redis.zrange(QUEUE, 0, -1)]
 
 

@@ -1,6 +1,7 @@
-"""Wake-ups (worker/wakeups.py): with arq's poll at its slowest setting (5 s), a queued job still
-starts at once and a cancelled one still stops at once, because the scripts that queue and cancel
-jobs wake the worker; a worker that cannot hear wake-ups still runs every job, on its poll."""
+"""Wake-ups (worker/wakeups.py): with the worker's look at its queue and arq's poll of aborts at their
+slowest setting (5 s), a queued job still starts at once and a cancelled one still stops at once, because
+the scripts that queue and cancel jobs wake the worker; a worker that cannot hear wake-ups still runs
+every job, on its look at the queue."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_a_queued_job_starts_without_waiting_for_the_poll(slow_poll_stack: Stack
         r = slow_poll_stack.post(body({"q": NOUL}, state=f"Ticket {i}: I was charged twice."))
         assert r.status_code == 200, r.text
         waits.append(queue_ms(r))
-    # On arq's poll alone each wait would be spread over 0–5000 ms (all five under 2 s: 1 % odds).
+    # On the look at the queue alone each wait would be spread over 0–5000 ms (all five under 2 s: 1 % odds).
     assert max(waits) < 2000, waits
 
 
@@ -69,7 +70,7 @@ def test_jobs_queued_behind_a_full_worker_start_as_slots_free_without_waiting_fo
             time.sleep(0.1)  # the callers' arrival pattern, one after another: not a wait for anything
         for thread in (first, *queued):
             thread.join()
-        # Each ~1 s after the one before it; on arq's poll alone each would also wait 0-5 s for it.
+        # Each ~1 s after the one before it; on the look at the queue alone each would also wait 0-5 s for it.
         assert done["c"] - done["a"] < 3.0, done
 
 
@@ -101,7 +102,7 @@ def with_user(url: str, user: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}"))
 
 
-def test_a_worker_that_cannot_hear_wake_ups_runs_every_job_on_its_poll(model_dir, log_dir) -> None:
+def test_a_worker_that_cannot_hear_wake_ups_runs_every_job_on_its_look_at_the_queue(model_dir, log_dir) -> None:
     with fresh_redis() as url:
         # A Redis user allowed everything but subscribing: every wake-up is missed.
         redis.Redis.from_url(url).execute_command(
@@ -116,7 +117,7 @@ def test_a_worker_that_cannot_hear_wake_ups_runs_every_job_on_its_poll(model_dir
             for i in range(3):
                 r = stack.post(body({"q": NOUL}, state=f"Ticket {i}"))
                 assert r.status_code == 200, r.text
-            assert "arq's poll carries on" in worker.output()  # it did try, and said so
+            assert "the look at the queue carries on" in worker.output()  # it did try, and said so
             assert worker.alive()
         finally:
             stack.stop()

@@ -1,5 +1,5 @@
 """The worker's own job path (worker/runner.py: arq's stock Worker running `evaluate`) on a real
-worker process: jobs found by arq's poll, unreadable jobs, jobs interrupted too often, and stale
+worker process: jobs found by its look at the queue, unreadable jobs, jobs interrupted too often, and stale
 placements. The job is written into Redis in arq's layout under its placement, as the API writes it."""
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def assert_dequeued(redis: Redis, arq_job_id: str, timeout: float = 5.0) -> None
     assert not redis.exists(keys.ARQ_IN_PROGRESS + arq_job_id, keys.ARQ_RETRY + arq_job_id, keys.ARQ_JOB + arq_job_id)
 
 
-def test_a_queued_placement_is_run_by_arqs_poll_and_leaves_no_arq_keys(redis: Redis, preparer: JobPreparer) -> None:
+def test_a_queued_placement_found_by_a_look_at_the_queue_runs_and_leaves_no_arq_keys(
+        redis: Redis, preparer: JobPreparer) -> None:
     job = new_job(preparer)
     arq_job_id = put(redis, job)
     outcome = ended(redis, job.id, timeout=5.0)

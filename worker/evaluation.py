@@ -73,7 +73,7 @@ class WorkerState:
     slots: BranchSlots
     running: RunningJobs
     exit_code: int = 0  # EXIT_ENGINE_DOWN or EXIT_LEASE_LOST once the worker stops for that reason
-    wakeups: WakeUps | None = None  # with OPENJEV_WORKER_WAKEUPS
+    wakeups: WakeUps | None = None  # set at startup: what claims jobs (and hears wake-ups)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # heartbeat, health watch, reaping
     # Set once arq's worker exists (`worker`) and at its startup (the rest): arq opens the Redis pool.
     worker: Worker = field(init=False)

@@ -1,6 +1,7 @@
 """The arq worker beside one engine: arq's own `Worker`, configured through its settings and hooks,
-pulls only this worker's queue and runs `evaluate` (worker/evaluation.py) for each placement, woken at once by new and
-cancelled placements (worker/wakeups.py) and polling as a fallback. Around it: the heartbeat
+runs `evaluate` (worker/evaluation.py) for each placement of this worker's queue, started at once by new
+and cancelled placements and on a regular look at the queue (worker/wakeups.py, the one place jobs are
+claimed); arq's poll reads cancellations. Around it: the heartbeat
 (membership and the engine's state), the lease and its fencing (worker/fencing.py), and moving
 vanished workers' jobs. Every Redis write goes through common/queue."""
 
@@ -66,9 +67,9 @@ async def _startup(ctx: dict[str, Any]) -> None:
     health = state.health
     await health.probe()  # never announce an engine nobody has checked
     info.engine_ok = health.routable
-    if settings.worker_wakeups:
-        state.wakeups = WakeUps(redis, info.queue, state.worker, state.running)
-        await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
+    state.wakeups = WakeUps(redis, info.queue, state.worker, state.running,
+                            look_interval=settings.worker_poll_delay, listen=settings.worker_wakeups)
+    await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
     await heartbeat(redis, info)
     state.tasks["health_watch"] = asyncio.create_task(health.watch())
     state.tasks["heartbeat"] = asyncio.create_task(_keep_alive(state))
@@ -191,7 +192,8 @@ def _stop_wakeups(state: WorkerState) -> None:
 
 def _redis(settings: Settings) -> ArqRedis:
     """The worker's Redis client, with retries that outlast a Redis restart or a failover: arq's poll
-    loop ends on the first error it sees, so every command waits (backing off to 1 s) until Redis
+    loop ends on the first error it sees (its poll here reads only cancellations; claims are
+    worker/wakeups.py's, which survive a broken one), so every command waits (backing off to 1 s) until Redis
     answers again."""
     return redis_connection(settings, retries=REDIS_RETRIES)
 

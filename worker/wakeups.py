@@ -1,18 +1,30 @@
-"""Wake-ups: a worker starts a job the moment it is queued and stops a cancelled one the moment it is
-cancelled, instead of at arq's next poll. The scripts that queue, move and cancel placements publish
-on the queue's wake channel (common/queue/keys.py); this listener hands a new placement to arq's own
-`Worker.start_jobs`, which claims it exactly as arq's poll does (arq's in-progress key makes a second
-start of the same job a no-op), and stops a cancelled one through `RunningJobs`. When every job slot is
-busy, announced placements wait here and the lowest score goes first as a slot frees, the order arq's
-poll takes them in: the score carries the lane and the tenant's fair share (common/queue/placement.py),
-so a sync request is started before a batch backlog announced earlier.
+"""Claims: the one place a worker starts jobs. A worker starts a job the moment it is queued and stops a
+cancelled one the moment it is cancelled, instead of at its next look at the queue. The scripts that
+queue, move and cancel placements publish on the queue's wake channel (common/queue/keys.py); this
+listener hands a new placement to arq's own `Worker.start_jobs`, which claims it exactly as arq's poll
+would (arq's in-progress key makes a second start of the same job a no-op), and stops a cancelled one
+through `RunningJobs`. When every job slot is busy, announced placements wait here and the lowest score
+goes first as a slot frees, the order arq's poll takes them in: the score carries the lane and the
+tenant's fair share (common/queue/placement.py), so a sync request is started before a batch backlog
+announced earlier.
 
-This hop drives arq's `start_jobs`, `job_counter`, `max_jobs`, `tasks` and `allow_pick_jobs` from outside
-arq's loop: no documented arq call starts a given job at once, and the module is the one place that
-does it (arq is pinned exactly; tests/test_arq_surface.py checks that surface).
+A missed message costs latency, never a job: every OPENJEV_WORKER_POLL_DELAY seconds this module also
+looks at the queue itself and starts what is due there (what a wake-up missed, and a claim Redis broke
+off), so that look can be slow and an idle worker nearly free (bench/RESULTS.md). A worker that does not
+listen (OPENJEV_WORKER_WAKEUPS=false) starts jobs on that look alone.
 
-A missed message costs latency, never a job: arq's poll (OPENJEV_WORKER_POLL_DELAY) finds the same
-jobs and abort marks, so that poll can be slow and an idle worker nearly free (bench/RESULTS.md)."""
+arq's own poll starts nothing (`allow_pick_jobs` is off from the start: it still reads cancellations
+and keeps arq's health key), because arq's claim loses a job slot when Redis drops out in the middle of
+it: it counts the job and takes a place in its semaphore before the claim's first command, then WATCHes
+the job's in-progress key, and an error between that WATCH and its MULTI (a lost connection, which
+redis-py turns into a WatchError while a key is watched, or the LOADING answer of a Redis still reading
+its append-only file, which accepts WATCH but not EXISTS) leaves both taken for good, or, from arq's
+poll, ends the worker's main loop. Here, a claim that raises gives its slot back.
+
+This hop drives arq's `start_jobs`, `job_counter`, `sem`, `max_jobs`, `tasks`, `queue_read_limit` and
+`allow_pick_jobs` from outside arq's loop: no documented arq call starts a given job at once, and the
+module is the one place that does it (arq is pinned exactly; tests/test_arq_surface.py checks that
+surface)."""
 
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import itertools
 import logging
 
 from arq import Worker
+from arq.utils import timestamp_ms
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -32,49 +45,85 @@ from worker.fencing import RunningJobs, StopReason
 
 log = logging.getLogger("openjev.worker")
 
-MAX_RESUBSCRIBE_DELAY = 30.0  # seconds between tries while Redis refuses (arq's poll covers the gap)
+MAX_RESUBSCRIBE_DELAY = 30.0  # seconds between tries while Redis refuses (the look at the queue covers the gap)
 
 
 class WakeUps:
-    """Listens on one queue's wake channel for as long as the worker runs."""
+    """Starts one queue's jobs for as long as the worker runs: on its wake channel's notices (when
+    `listen`) and on a look at the queue every `look_interval` seconds."""
 
-    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs) -> None:
+    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *,
+                 look_interval: float, listen: bool = True) -> None:
+        self.redis = redis
+        self.queue = queue
         self.worker = worker
         self.running = running
+        self.look_interval = look_interval
+        worker.allow_pick_jobs = False  # every claim goes through `_claim` (the module's docstring says why)
         self._subscription = Subscription(redis, keys.wake_channel(queue), self._handle,
-                                          fallback="arq's poll carries on", log=log, retry_delay=1.0,
-                                          max_retry_delay=MAX_RESUBSCRIBE_DELAY)
+                                          fallback="the look at the queue carries on", log=log, retry_delay=1.0,
+                                          max_retry_delay=MAX_RESUBSCRIBE_DELAY) if listen else None
         self._due: list[tuple[float, int, bytes]] = []  # (score, arrival, arq job id): a heap, lowest score first
+        self._waiting: set[bytes] = set()  # the arq job ids in `_due`
         self._arrivals = itertools.count()
         self._announced = asyncio.Event()
-        self._starter: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Send SUBSCRIBE before returning (so before the worker's first heartbeat makes it routable),
-        then listen and start jobs in the background."""
-        await self._subscription.start()
-        self._starter = asyncio.create_task(self._start_due(), name="wake-start")
+        then listen, look and start jobs in the background."""
+        if self._subscription is not None:
+            await self._subscription.start()
+        self._tasks = [asyncio.create_task(self._start_due(), name="claims"),
+                       asyncio.create_task(self._look_regularly(), name="look at the queue")]
 
     def stop(self) -> None:
         """Start nothing more (the worker is stopping: arq's `on_stop`)."""
-        self._subscription.stop()
-        if self._starter is not None:
-            self._starter.cancel()
+        if self._subscription is not None:
+            self._subscription.stop()
+        for task in self._tasks:
+            task.cancel()
 
     async def close(self) -> None:
         """Stop, and release the subscription's connection."""
-        await cancel_and_wait(self._starter)
-        await self._subscription.close()
+        for task in self._tasks:
+            await cancel_and_wait(task)
+        if self._subscription is not None:
+            await self._subscription.close()
+
+    async def look(self) -> None:
+        """Take in what is due in the queue (as arq's poll would read it) and not already running here."""
+        try:
+            due = await self.redis.zrangebyscore(self.queue, "-inf", timestamp_ms(), start=0,
+                                                 num=self.worker.queue_read_limit, withscores=True)
+        except (RedisError, OSError) as exc:
+            log.warning("look at queue %s failed (%r); the next one, in %g s, tries again",
+                        self.queue, exc, self.look_interval)
+            return
+        for arq_job_id, score in due:
+            running = self.worker.tasks.get(arq_job_id.decode())
+            if running is None or running.done():
+                self._announce(arq_job_id, score)
+
+    async def _look_regularly(self) -> None:
+        while True:
+            await self.look()
+            await asyncio.sleep(self.look_interval)
 
     def _handle(self, data: bytes) -> None:
         verb, _, rest = data.partition(b" ")
         if verb == b"job":
             arq_job_id, _, score = rest.partition(b" ")
-            heapq.heappush(self._due, (float(score) if score else float("inf"), next(self._arrivals), arq_job_id))
-            self._announced.set()
+            self._announce(arq_job_id, float(score) if score else float("inf"))
         elif verb == b"abort":
             # arq drops the abort mark as it finishes the placement
             self.running.stop(rest.decode(), StopReason.cancelled)
+
+    def _announce(self, arq_job_id: bytes, score: float) -> None:
+        if arq_job_id not in self._waiting:
+            self._waiting.add(arq_job_id)
+            heapq.heappush(self._due, (score, next(self._arrivals), arq_job_id))
+            self._announced.set()
 
     async def _start_due(self) -> None:
         """One placement at a time, each once a job slot is free: of those announced by then, the lowest
@@ -85,19 +134,28 @@ class WakeUps:
                 await self._announced.wait()
             await self._free_slot()
             _, _, arq_job_id = heapq.heappop(self._due)
-            if not self.worker.allow_pick_jobs:
-                continue
-            try:
-                await self.worker.start_jobs([arq_job_id])  # a no-op for one arq's poll already claimed
-            except (RedisError, OSError) as exc:
-                log.warning("wake-up start of %s failed (%r); arq's poll will start it", arq_job_id, exc)
+            self._waiting.discard(arq_job_id)
+            await self._claim(arq_job_id)
+
+    async def _claim(self, arq_job_id: bytes) -> None:
+        """arq's claim of one job (a no-op for one that is running or gone); one that Redis broke off gives
+        back the slot arq took for it, and the job stays queued for the next look."""
+        try:
+            await self.worker.start_jobs([arq_job_id])
+        except (RedisError, OSError) as exc:
+            # Raised only between arq's count of the job and the claim's end: arq's own outcomes (started,
+            # already running, gone, lost the race) give the slot back or hand it to the job's task.
+            self.worker.job_counter -= 1
+            self.worker.sem.release()
+            log.warning("claim of %s broken off (%r); the next look at the queue, within %g s, starts it",
+                        arq_job_id.decode(), exc, self.look_interval)
 
     async def _free_slot(self) -> None:
         """Until the worker could start one more job. arq's `start_jobs` drops a job it has no slot for
-        (its semaphore admits one caller past `max_jobs`, then the job count turns it away), and only
-        arq's next poll would find that job again: at capacity, every queued job would wait for a poll.
-        So a placement that arrives while every slot is busy waits here for a running job to end (arq
-        frees the slot in that task's first done callback, before this waiter resumes)."""
+        (its semaphore admits one caller past `max_jobs`, then the job count turns it away), and only the
+        next look would find that job again: at capacity, every queued job would wait for a look. So a
+        placement that arrives while every slot is busy waits here for a running job to end (arq frees the
+        slot in that task's first done callback, before this waiter resumes)."""
         while self.worker.job_counter >= self.worker.max_jobs:
             running = [task for task in self.worker.tasks.values() if not task.done()]
             if not running:

@@ -6,8 +6,9 @@ this package, and nothing else writes Redis. A job's life, step by step:
                  The arq job id is the job's placement ("<job id>.<n>", n = 1 at first).
 2. arq           The worker (stock `arq.Worker`, worker/runner.py) runs the placement: the scripts that
                  queue, move and cancel placements publish "job <id>" / "abort <id>" on the queue's
-                 wake channel, which the worker acts on at once (worker/wakeups.py); arq's poll of
-                 its queue and of its abort set is the fallback for a missed message.
+                 wake channel, which the worker acts on at once (worker/wakeups.py, where every job is
+                 claimed); its look at the queue and arq's poll of the abort set, both every
+                 OPENJEV_WORKER_POLL_DELAY, are the fallback for a missed message.
 3. records.py    The worker's `start` marks the record running only if the record still names its
                  placement; `store` keeps the outcome only from that placement, once, and publishes
                  "<job id> <status>"; the API's `cancel` ends a job (with a bounded abort mark) and

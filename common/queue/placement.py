@@ -7,7 +7,7 @@ channel). One round trip per submit; no two API replicas can route on the same s
 and a key is never held by a job that was not placed. Times are Redis's (TIME): the record's deadline
 is the one every worker obeys.
 
-The score is the order jobs start in (arq's poll takes the lowest first; so does the wake-up starter,
+The score is the order jobs start in (the worker's claims take the lowest first, as arq's poll would,
 worker/wakeups.py). Between tenants it is start-time fair queuing (Goyal et al. 1996) per worker queue:
 the queue's virtual time is the fair start of the job it started last, and a tenant's clock in a lane,
 never behind that virtual time, moves on by each job's prompts / the tenant's weight; so a tenant
@@ -38,7 +38,7 @@ from common.settings import RoutingPolicy
 from common.tenants import DEFAULT_TENANT
 
 FAIR_ORIGIN_MS = 10**15  # scores are fair starts (virtual ms from 0) less this: far below any clock's ms, so every
-# queued job is due at once and arq's poll, which takes the lowest scores first, starts them in fair order (fair
+# queued job is due at once and the worker, which takes the lowest scores first, starts them in fair order (fair
 # starts would need centuries of full load to reach it; a float holds them exactly up to 2**53)
 INTERACTIVE_LEAD_MS = 30_000  # an interactive job is queued as if its fair start were this much earlier: it goes
 # before batch work, but never before a batch job whose fair start is this much earlier than its own

@@ -1,8 +1,8 @@
-"""One pub/sub channel, listened to for as long as a process runs. Notices on a channel only make a
-process act sooner (the API's completion notices, the worker's wake-ups): each has a fallback that
-reads the truth from Redis on a schedule (the API's record recheck, arq's poll). So a lost
-subscription is logged and taken again, backing off while Redis stays away, and never ends the
-listener or its process."""
+"""One pub/sub channel, listened to for as long as a process runs. Notices on a channel only make a process
+act sooner (the API's completion notices, the worker's wake-ups): each has a fallback that reads the
+truth from Redis on a schedule (the API's record recheck, the worker's look at its queue and arq's poll
+of aborts). So a lost subscription is logged and taken again, backing off while Redis stays away, and
+never ends the listener or its process."""
 
 from __future__ import annotations
 
