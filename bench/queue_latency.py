@@ -151,9 +151,9 @@ async def _bench(engine_url: str, queue: JobQueue, settings: Settings, preparer:
 TRACE_STAGES = [  # (name, the event that ends it); each starts where the one before ended
     ("the API places the job (serialise, send)", "placed"),
     ("placement script, to its wake-up", "woken"),
-    ("wake-up delivered, worker calls arq's start_jobs", "claim"),
-    ("arq's claim (WATCH, EXISTS, ZSCORE, MULTI/EXEC)", "claimed"),
-    ("arq starts the job's task", "read"),
+    ("wake-up delivered, worker sends its claim", "claim"),
+    ("the claim script (GET, ZSCORE, SET)", "claimed"),
+    ("arq's run_job starts in the job's task", "read"),
     ("arq reads the job and calls evaluate", "start"),
     ("start script, evaluation (engine calls), outcome", "store"),
     ("store script, to its notice", "notice"),
@@ -171,9 +171,9 @@ def job_events(job_id: str, commands: list[tuple[float, str, str]]) -> dict[str,
             events["placed"] = at
         elif client == "lua" and command.startswith("PUBLISH") and keys.WAKE_SUFFIX in command:
             events.setdefault("woken", at)
-        elif command.startswith("WATCH arq:in-progress:"):
-            events.setdefault("claim", at)
-        elif command.startswith("PSETEX arq:in-progress:"):
+        elif client != "lua" and command.startswith("EVALSHA") and "claim" not in events:
+            events["claim"] = at
+        elif client == "lua" and command.startswith("SET arq:in-progress:"):
             events.setdefault("claimed", at)
         elif command.startswith("GET arq:job:"):
             events.setdefault("read", at)

@@ -1,6 +1,6 @@
 """arq is used as its authors meant: no subclass of its Worker, no override of its methods, no
 `_`-prefixed arq name anywhere in the project; and since the queue writes arq's job layout itself
-(common/queue/placement.py) and worker/wakeups.py drives `Worker.start_jobs` and its slot accounting, arq is pinned
+(common/queue/placement.py) and worker/wakeups.py starts jobs through `Worker.run_job`, arq is pinned
 exactly and the installed release is checked to read what the queue writes and to have what the claims drive."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_arqs_start_log_names_the_job_without_its_prompt() -> None:
 def test_arq_keys_are_written_only_through_arq_layout() -> None:
     """One owner of arq's layout: no product module but common/queue/keys.py (the names) and
     common/queue/arq_layout.py (the Lua functions every script includes) names arq's keys, and each script
-    that writes a placement, moves it, reruns it, resumes it or aborts it includes those functions."""
+    that claims a placement, writes it, moves it, reruns it, resumes it or aborts it includes those functions."""
     names = ("ARQ_JOB", "ARQ_IN_PROGRESS", "ARQ_RETRY", "ARQ_ABORTS", "job_key_prefix", "in_progress_key_prefix",
              "retry_key_prefix", "abort_jobs_ss", "arq:job:", "arq:in-progress:", "arq:retry:", "arq:abort")
     owners = {ROOT / "common" / "queue" / "keys.py", ROOT / "common" / "queue" / "arq_layout.py"}
@@ -158,18 +158,19 @@ def test_arq_keys_are_written_only_through_arq_layout() -> None:
         if path not in owners:
             text = path.read_text()
             assert not [n for n in names if n in text], f"{path.relative_to(ROOT)} names arq's keys"
-    from common.queue import leases, placement, records, reruns
+    from common.queue import claims, leases, placement, records, reruns
     from common.queue.arq_layout import ARQ_LUA
 
-    for script in (placement._SUBMIT, leases._MOVE, leases._RESUME, reruns._RERUN, records._CANCEL):
+    for script in (claims._CLAIM, placement._SUBMIT, leases._MOVE, leases._RESUME, reruns._RERUN, records._CANCEL):
         assert script.startswith(ARQ_LUA)
 
 
 def test_the_worker_attributes_the_claims_drive_are_arqs_public_ones() -> None:
-    """worker/wakeups.py claims every job through arq's `start_jobs` and keeps arq's slot accounting
-    (`job_counter`, `sem`) right when Redis breaks a claim off; it reads `max_jobs`, `tasks` and
-    `queue_read_limit`, and turns `allow_pick_jobs` off. The pinned release has them all, public."""
-    import asyncio
+    """worker/wakeups.py does what arq's `start_jobs` does after its claim: counts the job in
+    `job_counter`, runs it in `run_job` and keeps its task in `tasks`; it reads `max_jobs`,
+    `queue_read_limit` and `in_progress_timeout_s`, and turns `allow_pick_jobs` off. The pinned release
+    has them all, public."""
+    import inspect
 
     from arq import Worker
     from arq.worker import func
@@ -178,6 +179,8 @@ def test_the_worker_attributes_the_claims_drive_are_arqs_public_ones() -> None:
         return None
 
     worker = Worker(functions=[func(noop, name="noop")], max_jobs=3, queue_read_limit=7)
-    assert callable(worker.start_jobs) and isinstance(worker.sem, asyncio.Semaphore)
+    assert inspect.iscoroutinefunction(worker.run_job)
+    assert list(inspect.signature(worker.run_job).parameters) == ["job_id", "score"]
     assert (worker.job_counter, worker.max_jobs, worker.queue_read_limit, worker.tasks) == (0, 3, 7, {})
+    assert worker.in_progress_timeout_s == 300 + 10  # arq's default job timeout, and its margin
     assert worker.allow_pick_jobs is True  # what the claims turn off

@@ -1,13 +1,15 @@
-"""A claim Redis breaks off costs no job slot and stops no worker (worker/wakeups.py). arq counts a job and
-takes its semaphore before its claim's first command and then WATCHes the job's in-progress key; an error
-between that WATCH and the MULTI (the connection lost, or Redis still loading its append-only file after a
-restart, which accepts WATCH but answers EXISTS with LOADING) used to keep the slot taken for good (a
-wake-up's claim) or end the worker's main loop (arq's poll's claim). CI once saw 46 of 50 jobs left queued
-behind a worker whose slots had all gone that way after a `kill -9` of Redis (tests/test_durability.py).
+"""Claims (common/queue/claims.py, worker/wakeups.py): a claim Redis breaks off costs no job slot, stops no
+worker and loses no job. arq's own claim counts a job and takes its semaphore before its first command and
+then WATCHes the job's in-progress key; an error between that WATCH and the MULTI (the connection lost, or
+Redis still loading its append-only file after a restart, which accepts WATCH but answers EXISTS with
+LOADING) kept the slot taken for good (a wake-up's claim) or ended the worker's main loop (arq's poll's
+claim). CI once saw 46 of 50 jobs left queued behind a worker whose slots had all gone that way after a
+`kill -9` of Redis (tests/test_durability.py). The worker's claim is now one script, and a slot is counted
+only once it succeeded.
 
-Here a real arq `Worker` runs its own loop in-process against a real Redis through a relay that breaks off
-the first claim it sees: the job still runs, the worker's loop is still running and its slot count is back
-to zero."""
+A real arq `Worker` runs its own loop in-process against a real Redis through a relay that breaks off the
+first claim it sees, three ways: the job still runs, the worker's loop is still running and its slot count
+is back to zero."""
 
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ LOADING = b"-LOADING Redis is loading the dataset in memory\r\n"
 
 
 class ClaimBreaker:
-    """A TCP relay to Redis that breaks off the first claim it relays: the EXISTS a connection sends after
-    its WATCH is answered with `fault` instead ("lost": the connection is cut; "loading": Redis's LOADING
-    error, as a Redis that is reading its append-only file answers it)."""
+    """A TCP relay to Redis that breaks off the first claim of `job_id` it relays (the EVALSHA naming it):
+    "lost", the connection is cut before the claim reaches Redis; "loading", Redis's LOADING error answers
+    it instead, as a Redis reading its append-only file answers; "reply lost", Redis runs the claim and the
+    connection is cut before its reply is relayed."""
 
-    def __init__(self, host: str, port: int, fault: str) -> None:
+    def __init__(self, host: str, port: int, fault: str, job_id: bytes) -> None:
         self.upstream = (host, port)
         self.fault = fault
+        self.job_id = job_id
         self.broken = asyncio.Event()
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -56,16 +60,19 @@ class ClaimBreaker:
     async def _relay(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
         upstream, to_upstream = await asyncio.open_connection(*self.upstream)
         back = asyncio.create_task(self._pump(upstream, to_client))
-        watching = False
         try:
             while data := await client.read(65536):
-                watching = watching or b"\r\nWATCH\r\n" in data
-                if watching and b"\r\nEXISTS\r\n" in data and not self.broken.is_set():
+                if b"EVALSHA" in data and self.job_id in data and not self.broken.is_set():
                     self.broken.set()
-                    if self.fault == "lost":
-                        break
-                    to_client.write(LOADING)  # the command never reaches Redis
-                    continue
+                    if self.fault == "loading":
+                        to_client.write(LOADING)  # the claim never reaches Redis
+                        continue
+                    if self.fault == "reply lost":
+                        back.cancel()
+                        await asyncio.gather(back, return_exceptions=True)
+                        to_upstream.write(data)
+                        await upstream.read(65536)  # Redis ran the claim; its reply goes nowhere
+                    break
                 to_upstream.write(data)
                 await to_upstream.drain()
         except ConnectionError:
@@ -93,16 +100,19 @@ def through(url: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{credentials}@127.0.0.1:{port}" if credentials else f"127.0.0.1:{port}"))
 
 
-@pytest_asyncio.fixture(loop_scope="function", params=["lost", "loading"])
+JOB_ID = "job_claimed.1"
+
+
+@pytest_asyncio.fixture(loop_scope="function", params=["lost", "loading", "reply lost"])
 async def breaker(request: pytest.FixtureRequest, redis_server: str) -> AsyncIterator[tuple[ClaimBreaker, str]]:
     parts = urlsplit(redis_server)
-    relay = ClaimBreaker(parts.hostname or "127.0.0.1", parts.port or 6379, request.param)
+    relay = ClaimBreaker(parts.hostname or "127.0.0.1", parts.port or 6379, request.param, JOB_ID.encode())
     await relay.start()
     yield relay, through(redis_server, relay.port)
     await relay.close()
 
 
-async def test_a_claim_redis_breaks_off_gives_its_slot_back_and_the_job_still_runs(
+async def test_a_claim_redis_breaks_off_costs_no_slot_and_the_job_still_runs(
         breaker: tuple[ClaimBreaker, str], redis, caplog: pytest.LogCaptureFixture) -> None:
     relay, url = breaker
     ran = asyncio.Event()
@@ -114,23 +124,50 @@ async def test_a_claim_redis_breaks_off_gives_its_slot_back_and_the_job_still_ru
     worker = Worker(functions=[func(probe, name="probe")], queue_name="claims-test", redis_pool=pool, max_jobs=1,
                     poll_delay=0.05, keep_result=0, handle_signals=False, job_serializer=serialize,
                     job_deserializer=deserialize)
-    wakeups = WakeUps(pool, "claims-test", worker, RunningJobs(), look_interval=0.05, listen=False)
+    wakeups = WakeUps(pool, "claims-test", worker, RunningJobs(), worker_id="w-claims", look_interval=0.05,
+                      listen=False)
+    assert worker.in_progress_timeout_s > 60  # a claim left standing would hold the job well past this test
     main = asyncio.create_task(worker.main())
     try:
         await wakeups.start()
         enqueuer = ArqRedis(connection_pool=redis.connection_pool, job_serializer=serialize)
         with caplog.at_level(logging.WARNING, logger="openjev.worker"):
-            await enqueuer.enqueue_job("probe", {"id": "job_claimed"}, _queue_name="claims-test")
+            await enqueuer.enqueue_job("probe", {"id": "job_claimed"}, _queue_name="claims-test", _job_id=JOB_ID)
             await asyncio.wait_for(relay.broken.wait(), 10)  # the first claim was broken off ...
             await asyncio.wait_for(ran.wait(), 10)  # ... and the job ran all the same, on the one slot
         assert not main.done()  # arq's loop is still running
-        assert any("broken off" in record.getMessage() for record in caplog.records)
         for task in list(worker.tasks.values()):
             await task
         assert worker.job_counter == 0  # no slot is held by a claim that ended
-        assert worker.allow_pick_jobs is False  # arq's poll claims nothing: every claim is the guarded one
+        assert worker.allow_pick_jobs is False  # arq's poll claims nothing: every claim is the worker's script
+        assert await redis.zcard("claims-test") == 0  # and arq finished it
     finally:
         await wakeups.close()
         main.cancel()
         await asyncio.gather(main, return_exceptions=True)
         await worker.close()
+
+
+async def test_a_claim_is_taken_once_and_only_when_due_and_not_held_by_another_process(redis) -> None:
+    """The claim script's rules (common/queue/claims.py), against a real Redis: a queued, due placement is
+    claimed with its score; a second claim by the same process takes it again (its reply was lost); another
+    process's claim, a deferred placement and one no longer queued are left alone."""
+    from arq.utils import timestamp_ms
+
+    from common.queue import keys
+    from common.queue.claims import Claims
+
+    now = timestamp_ms()
+    await redis.zadd("claims-rules", {"due.1": now - 5, "later.1": now + 60_000, "other.1": now - 5})
+    mine, theirs = (Claims(redis, "claims-rules", "w-rules", 30.0) for _ in range(2))
+    assert mine.holder != theirs.holder  # one worker id, two processes
+    assert await mine.claim("due.1") == now - 5
+    assert await redis.get(keys.ARQ_IN_PROGRESS + "due.1") == mine.holder.encode()
+    assert 29_000 < await redis.pttl(keys.ARQ_IN_PROGRESS + "due.1") <= 30_000
+    assert await theirs.claim("due.1") is None  # held by another process
+    assert await mine.claim("due.1") == now - 5  # its own claim, taken again
+    assert await mine.claim("later.1") is None  # deferred: not due on this clock
+    assert not await redis.exists(keys.ARQ_IN_PROGRESS + "later.1")
+    assert await mine.claim("gone.1") is None  # not queued
+    await redis.set(keys.ARQ_IN_PROGRESS + "other.1", b"1")  # arq's own claim, from another process
+    assert await mine.claim("other.1") is None

@@ -47,7 +47,7 @@ def test_a_queued_job_starts_without_waiting_for_the_poll(slow_poll_stack: Stack
 
 def test_jobs_queued_behind_a_full_worker_start_as_slots_free_without_waiting_for_the_poll(
         model_dir, log_dir) -> None:
-    """arq's `start_jobs` turns away a job when every slot is busy; the wake-up keeps it until one frees."""
+    """A job announced while every slot is busy waits in the wake-up until one frees, not for the next look."""
     with isolated_scripted_stack(model_dir, log_dir, OPENJEV_WORKER_POLL_DELAY=SLOWEST_POLL,
                                  OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
         stack.script(delay=0.5)  # each job: a warm call and one branch, ~1 s

@@ -1,12 +1,11 @@
 """Claims: the one place a worker starts jobs. A worker starts a job the moment it is queued and stops a
 cancelled one the moment it is cancelled, instead of at its next look at the queue. The scripts that
 queue, move and cancel placements publish on the queue's wake channel (common/queue/keys.py); this
-listener hands a new placement to arq's own `Worker.start_jobs`, which claims it exactly as arq's poll
-would (arq's in-progress key makes a second start of the same job a no-op), and stops a cancelled one
-through `RunningJobs`. When every job slot is busy, announced placements wait here and the lowest score
-goes first as a slot frees, the order arq's poll takes them in: the score carries the lane and the
-tenant's fair share (common/queue/placement.py), so a sync request is started before a batch backlog
-announced earlier.
+listener claims a new placement (common/queue/claims.py: arq's claim, in one script) and hands it to
+arq's own `Worker.run_job`, and stops a cancelled one through `RunningJobs`. When every job slot is busy,
+announced placements wait here and the lowest score goes first as a slot frees, the order arq's poll
+would take them in: the score carries the lane and the tenant's fair share (common/queue/placement.py),
+so a sync request is started before a batch backlog announced earlier.
 
 A missed message costs latency, never a job: every OPENJEV_WORKER_POLL_DELAY seconds this module also
 looks at the queue itself and starts what is due there (what a wake-up missed, and a claim Redis broke
@@ -14,17 +13,18 @@ off), so that look can be slow and an idle worker nearly free (bench/RESULTS.md)
 listen (OPENJEV_WORKER_WAKEUPS=false) starts jobs on that look alone.
 
 arq's own poll starts nothing (`allow_pick_jobs` is off from the start: it still reads cancellations
-and keeps arq's health key), because arq's claim loses a job slot when Redis drops out in the middle of
-it: it counts the job and takes a place in its semaphore before the claim's first command, then WATCHes
-the job's in-progress key, and an error between that WATCH and its MULTI (a lost connection, which
-redis-py turns into a WatchError while a key is watched, or the LOADING answer of a Redis still reading
-its append-only file, which accepts WATCH but not EXISTS) leaves both taken for good, or, from arq's
-poll, ends the worker's main loop. Here, a claim that raises gives its slot back.
+and keeps arq's health key). arq's claim, `Worker.start_jobs`, takes four round trips, and loses a job
+slot when Redis drops out in the middle of it: it counts the job and takes a place in its semaphore
+before the claim's first command, then WATCHes the job's in-progress key, and an error between that
+WATCH and its MULTI (a lost connection, which redis-py turns into a WatchError while a key is watched, or
+the LOADING answer of a Redis still reading its append-only file, which accepts WATCH but not EXISTS)
+leaves both taken for good, or, from arq's poll, ends the worker's main loop. Here a slot is counted
+only once its claim succeeded, and a claim that fails is tried again at the next look.
 
-This hop drives arq's `start_jobs`, `job_counter`, `sem`, `max_jobs`, `tasks`, `queue_read_limit` and
-`allow_pick_jobs` from outside arq's loop: no documented arq call starts a given job at once, and the
-module is the one place that does it (arq is pinned exactly; tests/test_arq_surface.py checks that
-surface)."""
+This module drives arq's `run_job`, `job_counter`, `max_jobs`, `tasks`, `queue_read_limit`,
+`in_progress_timeout_s` and `allow_pick_jobs` from outside arq's loop, as `start_jobs` does inside it: no
+documented arq call starts a given job at once, and this is the one place that does it (arq is pinned
+exactly; tests/test_arq_surface.py checks that surface)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from redis.exceptions import RedisError
 
 from common.background import cancel_and_wait
 from common.queue import keys
+from common.queue.claims import Claims
 from common.queue.subscriptions import Subscription
 from worker.fencing import RunningJobs, StopReason
 
@@ -52,13 +53,14 @@ class WakeUps:
     """Starts one queue's jobs for as long as the worker runs: on its wake channel's notices (when
     `listen`) and on a look at the queue every `look_interval` seconds."""
 
-    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *,
+    def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *, worker_id: str,
                  look_interval: float, listen: bool = True) -> None:
         self.redis = redis
         self.queue = queue
         self.worker = worker
         self.running = running
         self.look_interval = look_interval
+        self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s)
         worker.allow_pick_jobs = False  # every claim goes through `_claim` (the module's docstring says why)
         self._subscription = Subscription(redis, keys.wake_channel(queue), self._handle,
                                           fallback="the look at the queue carries on", log=log, retry_delay=1.0,
@@ -138,26 +140,35 @@ class WakeUps:
             await self._claim(arq_job_id)
 
     async def _claim(self, arq_job_id: bytes) -> None:
-        """arq's claim of one job (a no-op for one that is running or gone); one that Redis broke off gives
-        back the slot arq took for it, and the job stays queued for the next look."""
+        """Claim one placement and run it in arq's `run_job` on a job slot (free: `_free_slot`); nothing for
+        one running here already, claimed elsewhere, gone or deferred. A claim Redis breaks off leaves the
+        job queued for the next look."""
+        job_id = arq_job_id.decode()
+        running = self.worker.tasks.get(job_id)
+        if running is not None and not running.done():
+            return
         try:
-            await self.worker.start_jobs([arq_job_id])
+            score = await self.claims.claim(job_id)
         except (RedisError, OSError) as exc:
-            # Raised only between arq's count of the job and the claim's end: arq's own outcomes (started,
-            # already running, gone, lost the race) give the slot back or hand it to the job's task.
-            self.worker.job_counter -= 1
-            self.worker.sem.release()
             log.warning("claim of %s broken off (%r); the next look at the queue, within %g s, starts it",
-                        arq_job_id.decode(), exc, self.look_interval)
+                        job_id, exc, self.look_interval)
+            return
+        if score is None:
+            return
+        self.worker.job_counter += 1  # what arq's `start_jobs` counts, given back as the job's task ends
+        task = asyncio.create_task(self.worker.run_job(job_id, score), name=f"job {job_id}")
+        task.add_done_callback(self._slot_freed)
+        self.worker.tasks[job_id] = task
+
+    def _slot_freed(self, _: asyncio.Task[None]) -> None:
+        self.worker.job_counter -= 1
 
     async def _free_slot(self) -> None:
-        """Until the worker could start one more job. arq's `start_jobs` drops a job it has no slot for
-        (its semaphore admits one caller past `max_jobs`, then the job count turns it away), and only the
-        next look would find that job again: at capacity, every queued job would wait for a look. So a
-        placement that arrives while every slot is busy waits here for a running job to end (arq frees the
-        slot in that task's first done callback, before this waiter resumes)."""
+        """Until the worker could start one more job: a placement that arrives while every slot is busy
+        waits here for a running job to end (its task's first done callback, `_slot_freed`, gives the slot
+        back before this waiter resumes)."""
         while self.worker.job_counter >= self.worker.max_jobs:
             running = [task for task in self.worker.tasks.values() if not task.done()]
             if not running:
-                return  # a slot is being taken or given back at this moment: `start_jobs` decides
+                return  # cannot happen (each counted slot is a running task); never wait forever on it
             await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

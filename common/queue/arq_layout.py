@@ -1,8 +1,9 @@
-"""arq's job layout, written in one place. Besides arq itself (its worker claims, runs and finishes a
-job), the queue writes arq's keys only through the Lua functions below, which the scripts that need them
-include: placement.py's submit (`arq_enqueue`), leases.py's move (`arq_take_off`, `arq_enqueue`) and
-resume (`arq_release_claims`), reruns.py's rerun (`arq_payload`, `arq_enqueue`) and records.py's cancel
-(`arq_abort`). They write what arq's own `ArqRedis.enqueue_job` and `Job.abort` write (README, "What
+"""arq's job layout, written in one place. Besides arq itself (its worker runs and finishes a job),
+the queue writes arq's keys only through the Lua functions below, which the scripts that need them
+include: claims.py's claim (`arq_claim`, the worker's claim in place of arq's), placement.py's submit
+(`arq_enqueue`), leases.py's move (`arq_take_off`, `arq_enqueue`) and resume (`arq_release_claims`),
+reruns.py's rerun (`arq_payload`, `arq_enqueue`) and records.py's cancel (`arq_abort`). They write what
+arq's own `Worker.start_jobs`, `ArqRedis.enqueue_job` and `Job.abort` write (README, "What
 happens to a request", says why the scripts cannot call them); arq is pinned exactly, and
 tests/test_arq_surface.py checks that the installed release reads this layout.
 
@@ -37,6 +38,21 @@ local function arq_enqueue(queue, id, payload, ttl_ms, score, since, deadline)
     if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms + {keys.BOUND_SLACK * 1000}) end
   end
   redis.call('PUBLISH', queue .. '{keys.WAKE_SUFFIX}', 'job ' .. id .. ' ' .. score)
+end
+
+-- arq's claim of placement `id` on `queue` for worker `holder` (what arq's `Worker.start_jobs` checks and
+-- writes, in one step): nothing (false) when another holder's in-progress claim is on it, it is no longer
+-- queued, or it is not due by `now_ms` (a retry deferred); otherwise its in-progress claim, held `hold_ms`,
+-- names `holder`, and the reply is its score. A claim of `holder`'s own is taken again: a worker process
+-- claims only what it is not running, so one it holds already is a claim whose reply it lost.
+local function arq_claim(queue, id, holder, now_ms, hold_ms)
+  local claim = ARQ_IN_PROGRESS .. id
+  local held = redis.call('GET', claim)
+  if held and held ~= holder then return false end
+  local score = redis.call('ZSCORE', queue, id)
+  if not score or tonumber(score) > now_ms then return false end
+  redis.call('SET', claim, holder, 'PX', hold_ms)
+  return score
 end
 
 -- Placement `id` taken off `queue` with every arq key it has (job, in-progress claim, retry count), so
