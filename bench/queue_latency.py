@@ -152,10 +152,9 @@ TRACE_STAGES = [  # (name, the event that ends it); each starts where the one be
     ("the API places the job (serialise, send)", "placed"),
     ("placement script, to its wake-up", "woken"),
     ("wake-up delivered, worker sends its claim", "claim"),
-    ("the claim script (GET, ZSCORE, SET)", "claimed"),
+    ("the claim script (arq's claim, then the record's start)", "claimed"),
     ("arq's run_job starts in the job's task", "read"),
-    ("arq reads the job and calls evaluate", "start"),
-    ("start script, evaluation (engine calls), outcome", "store"),
+    ("arq reads the job, evaluate runs it (engine calls), outcome", "store"),
     ("store script, to its notice", "notice"),
     ("notice delivered, the waiting request answers", "answered"),
 ]
@@ -178,7 +177,7 @@ def job_events(job_id: str, commands: list[tuple[float, str, str]]) -> dict[str,
         elif command.startswith("GET arq:job:"):
             events.setdefault("read", at)
         elif client != "lua" and command.startswith("EVALSHA") and "claimed" in events:
-            events.setdefault("start" if "start" not in events else "store", at)
+            events.setdefault("store", at)
         elif client == "lua" and command.startswith("PUBLISH " + keys.DONE_CHANNEL):
             events.setdefault("notice", at)
     return events

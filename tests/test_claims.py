@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -150,24 +151,38 @@ async def test_a_claim_redis_breaks_off_costs_no_slot_and_the_job_still_runs(
 
 async def test_a_claim_is_taken_once_and_only_when_due_and_not_held_by_another_process(redis) -> None:
     """The claim script's rules (common/queue/claims.py), against a real Redis: a queued, due placement is
-    claimed with its score; a second claim by the same process takes it again (its reply was lost); another
-    process's claim, a deferred placement and one no longer queued are left alone."""
+    claimed with its score and its job started; a second claim by the same process takes it again (its reply
+    was lost); another process's claim, a deferred placement and one no longer queued are left alone; a
+    placement its record no longer names is claimed (for arq to finish) but its job is not started."""
     from arq.utils import timestamp_ms
 
     from common.queue import keys
     from common.queue.claims import Claims
 
     now = timestamp_ms()
-    await redis.zadd("claims-rules", {"due.1": now - 5, "later.1": now + 60_000, "other.1": now - 5})
+    await redis.zadd("claims-rules", {"job_due.1": now - 5, "job_later.1": now + 60_000, "job_other.1": now - 5,
+                                      "job_moved.1": now - 5})
+    for job, placement in (("job_due", "job_due.1"), ("job_moved", "job_moved.2")):
+        await redis.hset(keys.job_key(job), mapping={"status": "queued", "placement": placement,
+                                                     "created_at": time.time() - 2, "deadline_at": time.time() + 30})
     mine, theirs = (Claims(redis, "claims-rules", "w-rules", 30.0) for _ in range(2))
     assert mine.holder != theirs.holder  # one worker id, two processes
-    assert await mine.claim("due.1") == now - 5
-    assert await redis.get(keys.ARQ_IN_PROGRESS + "due.1") == mine.holder.encode()
-    assert 29_000 < await redis.pttl(keys.ARQ_IN_PROGRESS + "due.1") <= 30_000
-    assert await theirs.claim("due.1") is None  # held by another process
-    assert await mine.claim("due.1") == now - 5  # its own claim, taken again
-    assert await mine.claim("later.1") is None  # deferred: not due on this clock
-    assert not await redis.exists(keys.ARQ_IN_PROGRESS + "later.1")
-    assert await mine.claim("gone.1") is None  # not queued
-    await redis.set(keys.ARQ_IN_PROGRESS + "other.1", b"1")  # arq's own claim, from another process
-    assert await mine.claim("other.1") is None
+    claimed = await mine.claim("job_due.1")
+    assert claimed is not None and claimed.score == now - 5
+    assert claimed.started is not None and claimed.started.attempts == 1 and 1.5 < claimed.started.waited < 10
+    assert 20 < claimed.started.remaining <= 30
+    record = await redis.hgetall(keys.job_key("job_due"))
+    assert (record[b"status"], record[b"worker"], record[b"attempts"]) == (b"running", b"w-rules", b"1")
+    assert await redis.get(keys.ARQ_IN_PROGRESS + "job_due.1") == mine.holder.encode()
+    assert 29_000 < await redis.pttl(keys.ARQ_IN_PROGRESS + "job_due.1") <= 30_000
+    assert await theirs.claim("job_due.1") is None  # held by another process
+    again = await mine.claim("job_due.1")  # its own claim, taken again
+    assert again is not None and again.score == now - 5 and again.started is not None
+    assert await mine.claim("job_later.1") is None  # deferred: not due on this clock
+    assert not await redis.exists(keys.ARQ_IN_PROGRESS + "job_later.1")
+    assert await mine.claim("job_gone.1") is None  # not queued
+    await redis.set(keys.ARQ_IN_PROGRESS + "job_other.1", b"1")  # arq's own claim, from another process
+    assert await mine.claim("job_other.1") is None
+    moved = await mine.claim("job_moved.1")  # its record names placement 2 now
+    assert moved is not None and moved.started is None
+    assert (await redis.hget(keys.job_key("job_moved"), "status")) == b"queued"

@@ -94,10 +94,10 @@ async def evaluate(ctx: dict[str, Any], payload: dict[str, Any]) -> None:
     state: WorkerState = ctx["state"]
     arq_job_id: str = ctx["job_id"]
     store = state.store
-    # After a failed call, no job starts (and spends one of its MAX_RUNS) until a probe finds the engine
-    # answering again; should it be down for good, the worker stops and arq keeps the job queued.
-    await state.health.answering.wait()
-    started = await store.start(arq_job_id, state.worker_id)
+    # The job's start came with its claim (worker/wakeups.py). After a failed call nothing is claimed, so no
+    # job starts (and spends one of its MAX_RUNS), until a probe finds the engine answering again; should it
+    # be down for good, the worker stops and the job stays queued.
+    started = state.wakeups.started(arq_job_id) if state.wakeups is not None else None
     if started is None:
         job_id = keys.job_of(arq_job_id)
         log.info("job %s: placement %s not run (moved, cancelled or ended meanwhile)", job_id, arq_job_id,

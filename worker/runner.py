@@ -68,7 +68,8 @@ async def _startup(ctx: dict[str, Any]) -> None:
     await health.probe()  # never announce an engine nobody has checked
     info.engine_ok = health.routable
     state.wakeups = WakeUps(redis, info.queue, state.worker, state.running, worker_id=info.id,
-                            look_interval=settings.worker_poll_delay, listen=settings.worker_wakeups)
+                            look_interval=settings.worker_poll_delay, listen=settings.worker_wakeups,
+                            ready=health.answering)
     await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
     await heartbeat(redis, info)
     state.tasks["health_watch"] = asyncio.create_task(health.watch())

@@ -1,8 +1,10 @@
 """Claims: the one place a worker starts jobs. A worker starts a job the moment it is queued and stops a
 cancelled one the moment it is cancelled, instead of at its next look at the queue. The scripts that
 queue, move and cancel placements publish on the queue's wake channel (common/queue/keys.py); this
-listener claims a new placement (common/queue/claims.py: arq's claim, in one script) and hands it to
-arq's own `Worker.run_job`, and stops a cancelled one through `RunningJobs`. When every job slot is busy,
+listener claims a new placement and starts its job (common/queue/claims.py: arq's claim and the record's
+start, in one script), hands it to arq's own `Worker.run_job` (`evaluate` takes the start from `started`),
+and stops a cancelled one through `RunningJobs`. Nothing is claimed while `ready` is clear (the engine is
+not answering), so no job spends one of its runs meanwhile. When every job slot is busy,
 announced placements wait here and the lowest score goes first as a slot frees, the order arq's poll
 would take them in: the score carries the lane and the tenant's fair share (common/queue/placement.py),
 so a sync request is started before a batch backlog announced earlier.
@@ -29,6 +31,7 @@ exactly; tests/test_arq_surface.py checks that surface)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -41,6 +44,7 @@ from redis.exceptions import RedisError
 from common.background import cancel_and_wait
 from common.queue import keys
 from common.queue.claims import Claims
+from common.queue.records import Started
 from common.queue.subscriptions import Subscription
 from worker.fencing import RunningJobs, StopReason
 
@@ -54,13 +58,15 @@ class WakeUps:
     `listen`) and on a look at the queue every `look_interval` seconds."""
 
     def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *, worker_id: str,
-                 look_interval: float, listen: bool = True) -> None:
+                 look_interval: float, listen: bool = True, ready: asyncio.Event | None = None) -> None:
         self.redis = redis
         self.queue = queue
         self.worker = worker
         self.running = running
         self.look_interval = look_interval
         self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s)
+        self.ready = ready
+        self._started: dict[str, Started | None] = {}  # arq job id -> its job's start, until `evaluate` takes it
         worker.allow_pick_jobs = False  # every claim goes through `_claim` (the module's docstring says why)
         self._subscription = Subscription(redis, keys.wake_channel(queue), self._handle,
                                           fallback="the look at the queue carries on", log=log, retry_delay=1.0,
@@ -135,6 +141,8 @@ class WakeUps:
                 self._announced.clear()
                 await self._announced.wait()
             await self._free_slot()
+            if self.ready is not None:
+                await self.ready.wait()
             _, _, arq_job_id = heapq.heappop(self._due)
             self._waiting.discard(arq_job_id)
             await self._claim(arq_job_id)
@@ -148,20 +156,26 @@ class WakeUps:
         if running is not None and not running.done():
             return
         try:
-            score = await self.claims.claim(job_id)
+            claimed = await self.claims.claim(job_id)
         except (RedisError, OSError) as exc:
             log.warning("claim of %s broken off (%r); the next look at the queue, within %g s, starts it",
                         job_id, exc, self.look_interval)
             return
-        if score is None:
+        if claimed is None:
             return
+        self._started[job_id] = claimed.started
         self.worker.job_counter += 1  # what arq's `start_jobs` counts, given back as the job's task ends
-        task = asyncio.create_task(self.worker.run_job(job_id, score), name=f"job {job_id}")
-        task.add_done_callback(self._slot_freed)
+        task = asyncio.create_task(self.worker.run_job(job_id, claimed.score), name=f"job {job_id}")
+        task.add_done_callback(functools.partial(self._slot_freed, job_id))
         self.worker.tasks[job_id] = task
 
-    def _slot_freed(self, _: asyncio.Task[None]) -> None:
+    def started(self, arq_job_id: str) -> Started | None:
+        """The start of the job of a placement claimed here (None: it may not run), once: `evaluate`'s."""
+        return self._started.pop(arq_job_id, None)
+
+    def _slot_freed(self, arq_job_id: str, _: asyncio.Task[None]) -> None:
         self.worker.job_counter -= 1
+        self._started.pop(arq_job_id, None)  # arq ended it without `evaluate` (its payload expired)
 
     async def _free_slot(self) -> None:
         """Until the worker could start one more job: a placement that arrives while every slot is busy

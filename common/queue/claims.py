@@ -1,24 +1,41 @@
-"""A worker's claim of one placement on its own queue: what arq's `Worker.start_jobs` checks and writes
-(no claim held by another, still queued, due), in one script (arq_layout.py `arq_claim`) instead of arq's
-four round trips (WATCH, EXISTS, ZSCORE, then MULTI/PSETEX/EXEC). worker/wakeups.py then hands the job to
-arq's own `Worker.run_job`. The claim names the worker process that holds it (its worker id and a token
-of its own), so a claim whose reply the process lost (Redis restarting, the connection cut) is taken again
-at its next look at the queue instead of standing until it expires, while one held by another process (a
-paused one whose lease lapsed, or arq's own "1") is left alone."""
+"""A worker's claim of one placement on its own queue, and the start of its job: what arq's
+`Worker.start_jobs` checks and writes (no claim held by another, still queued, due), then the job record's
+start (records.py `record_start`: the record names this placement and the job has not ended), in one
+script instead of arq's four round trips and the start's own. worker/wakeups.py then hands the job to
+arq's own `Worker.run_job`, and `evaluate` takes the start from there. A placement is claimed even when
+its job may not start (moved, cancelled or ended meanwhile), so that arq finishes it and drops its keys.
+The claim names the worker process that holds it (its worker id and a token of its own), so a claim whose
+reply the process lost (Redis restarting, the connection cut) is taken again at its next look at the queue
+instead of standing until it expires, while one held by another process (a paused one whose lease lapsed,
+or arq's own "1") is left alone."""
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 from arq.utils import timestamp_ms
 from redis.asyncio import Redis
 
+from common.queue import keys
 from common.queue.arq_layout import ARQ_LUA
+from common.queue.records import START_LUA, Started, started_from
 
-# KEYS[1] the queue; ARGV: arq job id, the claiming worker's id, its clock (ms), how long the claim holds (ms).
-_CLAIM = ARQ_LUA + """
-return arq_claim(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
+# KEYS[1] the queue, KEYS[2] the job's record; ARGV: arq job id, the claim's holder, its clock (ms), how long
+# the claim holds (ms), the worker's id. Nothing unless claimed; then {score, record_start's reply or nil}.
+_CLAIM = ARQ_LUA + START_LUA + """
+local score = arq_claim(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
+if not score then return false end
+return {score, record_start(KEYS[2], ARGV[1], ARGV[5])}
 """
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A placement claimed here: its queue score, and its job's start (None: the job may not run)."""
+
+    score: int
+    started: Started | None
 
 
 class Claims:
@@ -27,12 +44,18 @@ class Claims:
 
     def __init__(self, redis: Redis, queue: str, worker_id: str, hold_s: float) -> None:
         self.queue = queue
+        self.worker_id = worker_id
         self.holder = f"{worker_id}/{secrets.token_hex(4)}"
         self.hold_ms = int(hold_s * 1000)
         self._claim = redis.register_script(_CLAIM)
 
-    async def claim(self, arq_job_id: str) -> int | None:
-        """The placement's score once it is claimed here; None when it is not to be run here now (claimed
-        by another, no longer queued, or deferred). The worker's own clock decides what is due, as arq's."""
-        score = await self._claim(keys=[self.queue], args=[arq_job_id, self.holder, timestamp_ms(), self.hold_ms])
-        return None if score is None else int(float(score))
+    async def claim(self, arq_job_id: str) -> Claimed | None:
+        """The placement claimed here, with its job's start; None when it is not to be run here now
+        (claimed by another, no longer queued, or deferred). The worker's own clock decides what is due,
+        as arq's does."""
+        reply = await self._claim(keys=[self.queue, keys.job_key(keys.job_of(arq_job_id))],
+                                  args=[arq_job_id, self.holder, timestamp_ms(), self.hold_ms, self.worker_id])
+        if reply is None:
+            return None
+        score, start = [*reply, None][:2]
+        return Claimed(int(float(score)), started_from(start))

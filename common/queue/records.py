@@ -52,29 +52,38 @@ local function record_requeued(key, job_id, queue, extra)
 end
 """
 
-# KEYS[1] record; ARGV: arq job id, worker id. Nothing unless the record names this placement and the
-# job has not ended; then it is running here (no longer waiting in its queue, nor in its interactive lane,
-# and its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts`
-# (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's
-# clock. A running job is taken again only by its own placement (the worker that serves its queue restarted).
-_START = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
-                    'attempts')
-if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
-local t = redis.call('TIME')
-local now = t[1] + t[2] / 1e6
-local attempts = (tonumber(f[7]) or 0) + 1
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'started_at', tostring(now), 'attempts', attempts)
-if f[5] then
-  redis.call('ZREM', f[5] .. ':interactive', ARGV[1])
-  redis.call('ZREM', f[5] .. ':waiting', ARGV[1])
-  local vclock = f[5] .. ':vclock'
-  if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
-    redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
+# record_start(key, placement, worker): the start of the job of record `key` by `placement` (its arq job id) on
+# `worker`, a Lua function that this module's start and claims.py's claim run. Nothing unless the record names
+# this placement and the job has not ended; then it is running here (no longer waiting in its queue, nor in its
+# interactive lane, and its fair start is the queue's virtual time if later, common/queue/placement.py), its
+# `attempts` (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by
+# Redis's clock. A running job is taken again only by its own placement (the worker that serves its queue
+# restarted).
+START_LUA = """
+local function record_start(key, placement, worker)
+  local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
+                      'attempts')
+  if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
+  local t = redis.call('TIME')
+  local now = t[1] + t[2] / 1e6
+  local attempts = (tonumber(f[7]) or 0) + 1
+  redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
+  if f[5] then
+    redis.call('ZREM', f[5] .. ':interactive', placement)
+    redis.call('ZREM', f[5] .. ':waiting', placement)
+    local vclock = f[5] .. ':vclock'
+    if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
+      redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
+    end
   end
+  return {f[3], f[4], tostring(now), attempts}
 end
-return {f[3], f[4], tostring(now), attempts}
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL))
+
+# KEYS[1] record; ARGV: arq job id, worker id.
+_START = START_LUA + """
+return record_start(KEYS[1], ARGV[1], ARGV[2])
+"""
 
 
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
@@ -160,6 +169,14 @@ class Started:
     attempts: int = 1
 
 
+def started_from(reply: list[bytes] | None) -> Started | None:
+    """What `record_start` (START_LUA) replied."""
+    if reply is None:
+        return None
+    created_at, deadline_at, now = (float(v) for v in reply[:3])
+    return Started(waited=now - created_at, remaining=deadline_at - now, attempts=int(reply[3]))
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """A job as the API reports it (times by Redis's clock)."""
@@ -192,11 +209,8 @@ class JobStore:
     async def start(self, arq_job_id: str, worker_id: str) -> Started | None:
         """Mark the job running on `worker_id` if `arq_job_id` is its current placement and it has not
         ended; None otherwise (it was moved, cancelled or expired)."""
-        reply = await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))], args=[arq_job_id, worker_id])
-        if reply is None:
-            return None
-        created_at, deadline_at, now = (float(v) for v in reply[:3])
-        return Started(waited=now - created_at, remaining=deadline_at - now, attempts=int(reply[3]))
+        return started_from(await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))],
+                                              args=[arq_job_id, worker_id]))
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
