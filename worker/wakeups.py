@@ -109,9 +109,12 @@ class WakeUps:
                         self.queue, exc, self.look_interval)
             return
         for arq_job_id, score in due:
-            running = self.worker.tasks.get(arq_job_id.decode())
-            if running is None or running.done():
+            if not self._runs_here(arq_job_id.decode()):
                 self._announce(arq_job_id, score)
+
+    def _runs_here(self, arq_job_id: str) -> bool:
+        task = self.worker.tasks.get(arq_job_id)
+        return task is not None and not task.done()
 
     async def _look_regularly(self) -> None:
         while True:
@@ -152,8 +155,7 @@ class WakeUps:
         one running here already, claimed elsewhere, gone or deferred. A claim Redis breaks off leaves the
         job queued for the next look."""
         job_id = arq_job_id.decode()
-        running = self.worker.tasks.get(job_id)
-        if running is not None and not running.done():
+        if self._runs_here(job_id):
             return
         try:
             claimed = await self.claims.claim(job_id)

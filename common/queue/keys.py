@@ -30,8 +30,8 @@ WAKE_SUFFIX = ":wake"  # queue name + this: the queue's wake-up channel (see `wa
 
 def wake_channel(queue: str) -> str:
     """Pub/sub: "job <arq job id>" when a placement is queued on `queue`, "abort <arq job id>" when
-    one is cancelled. Its worker acts on them at once; its regular look at the queue and arq's poll of aborts are the
-    fallback for any it misses."""
+    one is cancelled. Its worker acts on them at once; its regular look at the queue and arq's poll of
+    aborts are the fallback for any it misses."""
     return queue + WAKE_SUFFIX
 
 
