@@ -87,6 +87,7 @@ class Sample:
     engine_calls: float = 0.0  # /generate calls per request (warm and branch calls)
     redis_commands: float = 0.0  # Redis commands per request, every client's (INFO commandstats)
     redis_round_trips: float = 0.0  # requests Redis read per request, every client's (a pipeline or script: one)
+    redis_by_command: dict[str, float] = field(default_factory=dict)  # `redis_commands` by command name
 
     @property
     def total(self) -> float:
@@ -204,14 +205,14 @@ def engine_calls(stack: Stack) -> int:
     return httpx.get(f"{stack.engine_url}/stats", timeout=30).json()["generate_calls"]
 
 
-def redis_counts(stack: Stack) -> tuple[int, int]:
-    """Commands Redis has run since it started, every command together, those a script runs included (INFO
-    commandstats), and the requests it has read from its clients, a pipeline or a script call one each: its
-    round trips (INFO stats `total_reads_processed`). The INFO that asks counts in both."""
+def redis_counts(stack: Stack) -> tuple[dict[str, int], int]:
+    """Commands Redis has run since it started, by name, those a script runs included (INFO commandstats),
+    and the requests it has read from its clients, a pipeline or a script call one each: its round trips
+    (INFO stats `total_reads_processed`). The INFO that asks counts in both."""
     import redis as redis_client
 
     with redis_client.Redis.from_url(stack.redis_url) as client:
-        commands = sum(stat["calls"] for stat in client.info("commandstats").values())
+        commands = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in client.info("commandstats").items()}
         return commands, int(client.info("stats")["total_reads_processed"])
 
 
@@ -223,9 +224,11 @@ def measure(stack: Stack, scenario: Scenario) -> Sample:
     cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
     calls = (engine_calls(stack) - calls_before) / scenario.requests
     commands_after, reads_after = redis_counts(stack)
-    commands = (commands_after - commands_before - 2) / scenario.requests  # less the two INFOs before
+    by_command = {name: (calls - commands_before.get(name, 0) - 2 * (name == "info")) / scenario.requests
+                  for name, calls in commands_after.items()}  # less the two INFOs before
+    by_command = {name: count for name, count in by_command.items() if count > 0}
     round_trips = (reads_after - reads_before - 2) / scenario.requests
-    return Sample(cpu, scenario.requests / wall, calls, commands, round_trips)
+    return Sample(cpu, scenario.requests / wall, calls, sum(by_command.values()), round_trips, by_command)
 
 
 def at_rest(pids: dict[str, int], seconds: float) -> tuple[dict[str, float], dict[str, float]]:
@@ -355,9 +358,17 @@ def slope(points: list[tuple[float, float]]) -> float:
 
 def median_sample(samples: list[Sample]) -> Sample:
     cpu = {name: statistics.median(s.cpu_ms[name] for s in samples) for name in MEASURED}
+    names = {name for s in samples for name in s.redis_by_command}
+    by_command = {name: statistics.median(s.redis_by_command.get(name, 0.0) for s in samples) for name in names}
     return Sample(cpu, statistics.median(s.rps for s in samples), statistics.median(s.engine_calls for s in samples),
                   statistics.median(s.redis_commands for s in samples),
-                  statistics.median(s.redis_round_trips for s in samples))
+                  statistics.median(s.redis_round_trips for s in samples), by_command)
+
+
+def commands_by_name(sample: Sample) -> str:
+    """The Redis commands a request costs, by name, most first (those of under 0.05 a request left out)."""
+    named = sorted(sample.redis_by_command.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{name} {count:.1f}" for name, count in named if count >= 0.05)
 
 
 def spread(samples: list[Sample]) -> str:
@@ -396,6 +407,11 @@ def report(stacks: list[Stack], results: dict[tuple[str, str], list[Sample]], fo
                          f"{m.cpu_ms['redis']:.2f} | {m.total:.2f} | {m.rps:.1f} | {ratio} | {paired} | "
                          f"{m.engine_calls:.1f} | {m.redis_commands:.1f} | {m.redis_round_trips:.1f} | "
                          f"{spread(rounds)} |")
+    lines += ["", "| scenario | stack | Redis commands per request, by name (medians) |", "|---|---|---|"]
+    for scenario in found:
+        for stack in stacks:
+            named = commands_by_name(medians[(scenario.name, stack.name)])
+            lines.append(f"| {scenario.name} | {stack.name} | {named} |")
     lines += ["", "| slope | stack | CPU-ms |", "|---|---|---|"]
     for stack in stacks:
         by_questions = [(s.questions, medians[(s.name, stack.name)].total) for s in found

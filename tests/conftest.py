@@ -17,6 +17,8 @@ from transformers import PreTrainedTokenizerBase
 
 from common.prompt import PromptCompiler
 from common.queue import keys
+from common.queue.claims import Claims
+from common.queue.records import Started
 from common.tokenizer import qwen36_tokenizer, smollm2_tokenizer
 from harness.processes import start_cpu_engine, start_scripted_engine
 from harness.redis_servers import fresh_redis
@@ -46,6 +48,14 @@ def wait_for_next_heartbeat(redis_url: str, worker_id: str, timeout: float = 15.
             return raw is not None and orjson.loads(raw)["heartbeat_at"] > asked
 
         wait_until(made_since, timeout, f"a heartbeat of {worker_id} made after the call")
+
+
+async def claim_and_start(redis: Redis, arq_job_id: str, worker_id: str) -> Started | None:
+    """What a worker does as it takes placement `arq_job_id` off its own queue (common/queue/claims.py: arq's
+    claim and the record's start, in one script): the job's start, or None when the placement may not run
+    (not queued there, moved, or its job ended)."""
+    claimed = await Claims(redis, keys.queue_name(worker_id), worker_id, 60.0).claim(arq_job_id)
+    return claimed.started if claimed is not None else None
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

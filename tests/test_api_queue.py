@@ -17,6 +17,7 @@ from common.queue import keys
 from common.queue.membership import WorkerInfo, heartbeat
 from common.queue.records import SYNC_ANSWERED_KEEP, JobStore
 from common.settings import ConfidenceMode
+from tests.conftest import claim_and_start
 
 OUTCOME = JobOutcome(status=JobStatus.succeeded, result={"answers": {"q": {"p": 0.25}}})
 
@@ -54,7 +55,7 @@ async def finish(store: JobStore, job_id: str) -> None:
     record_key = keys.job_key(job_id)
     while (placement := await store.redis.hget(record_key, "placement")) is None:
         await asyncio.sleep(0.01)
-    assert await store.start(placement.decode(), "w1") is not None
+    assert await claim_and_start(store.redis, placement.decode(), "w1") is not None
     assert await store.store(placement.decode(), OUTCOME, time.monotonic() + 5)
 
 

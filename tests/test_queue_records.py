@@ -18,6 +18,7 @@ from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import Dispatcher
 from common.queue.records import NOTICE_OUTCOME_MAX, SYNC_ANSWERED_KEEP, SYNC_KEEP, JobStore
 from common.settings import RoutingPolicy
+from tests.conftest import claim_and_start
 
 DONE = JobOutcome(status=JobStatus.succeeded, result={"answers": {}})
 CANCELLED = JobOutcome(status=JobStatus.cancelled, http_status=499)
@@ -45,9 +46,10 @@ async def submit(redis: Redis, job_id: str, kind: str = "async", seconds: float 
 async def test_only_the_current_placement_starts_and_stores_once_and_announces_id_and_status(
         redis: Redis, store: JobStore) -> None:
     await join(redis, "w1")
-    await submit(redis, "job_a")
-    assert await store.start("job_a.2", "w1") is None  # not its placement
-    started = await store.start("job_a.1", "w1")
+    queue = await submit(redis, "job_a")
+    await redis.zadd(queue, {"job_a.2": 0})  # a placement in the queue that the record does not name
+    assert await claim_and_start(redis, "job_a.2", "w1") is None  # claimed for arq to finish, never started
+    started = await claim_and_start(redis, "job_a.1", "w1")
     assert started is not None and 59 < started.remaining <= 60 and 0 <= started.waited < 1
     record = await store.get("job_a")
     assert record is not None and record.status == JobStatus.running
@@ -64,7 +66,8 @@ async def test_only_the_current_placement_starts_and_stores_once_and_announces_i
     assert notice is not None and notice["data"] == b"job_a succeeded"  # id and status, not the result
     record = await store.get("job_a")
     assert record is not None and record.status is JobStatus.succeeded  # stored once
-    assert await store.start("job_a.1", "w1") is None  # ended: never run again
+    await redis.delete(keys.ARQ_IN_PROGRESS + "job_a.1")  # its claim lapsed with the placement still queued
+    assert await claim_and_start(redis, "job_a.1", "w1") is None  # ended: never run again
     assert 590 <= await redis.ttl(keys.job_key("job_a")) <= 600
 
 
@@ -72,7 +75,7 @@ async def test_ending_a_finished_job_leaves_no_abort_mark_and_old_marks_are_trim
         redis: Redis, store: JobStore) -> None:
     await join(redis, "w1")
     await submit(redis, "job_done")
-    await store.start("job_done.1", "w1")
+    await claim_and_start(redis, "job_done.1", "w1")
     await store.store("job_done.1", DONE, time.monotonic() + 5)
     for _ in range(50):
         assert await store.cancel("job_done", CANCELLED) is False
@@ -89,7 +92,7 @@ async def test_a_sync_job_is_removed_when_collected_or_cancelled(redis: Redis, s
     await join(redis, "w1")
     await submit(redis, "job_s", kind="sync")
     assert await store.collect("job_s") == (JobStatus.queued, None)
-    await store.start("job_s.1", "w1")
+    await claim_and_start(redis, "job_s.1", "w1")
     await store.store("job_s.1", DONE, time.monotonic() + 5)
     assert await redis.ttl(keys.job_key("job_s")) <= SYNC_KEEP
     status, outcome = await store.collect("job_s")
@@ -121,7 +124,7 @@ async def test_a_lapsed_workers_jobs_move_as_new_placements_and_the_old_one_is_f
         redis: Redis, store: JobStore) -> None:
     await join(redis, "dead")
     await submit(redis, "job_m")
-    assert await store.start("job_m.1", "dead") is not None  # it was running there
+    assert await claim_and_start(redis, "job_m.1", "dead") is not None  # it was running there
     await redis.zadd(keys.WORKERS, {"dead": time.time() - LIVENESS_WINDOW - 1})
     alive = await join(redis, "alive")
     lease = Lease(redis, "dead")
@@ -134,7 +137,7 @@ async def test_a_lapsed_workers_jobs_move_as_new_placements_and_the_old_one_is_f
     assert not await redis.exists(keys.ARQ_JOB + "job_m.1")
     assert await store.placements(["job_m.1", "job_m.2"]) == [False, True]
     assert await store.store("job_m.1", DONE, time.monotonic() + 5) is False  # the old owner is fenced
-    assert await store.start("job_m.2", "alive") is not None
+    assert await claim_and_start(redis, "job_m.2", "alive") is not None
     assert await store.store("job_m.2", DONE, time.monotonic() + 5) is True
 
 
@@ -191,7 +194,7 @@ async def test_a_sync_jobs_notice_carries_its_outcome_and_its_record_expires_soo
         redis: Redis, store: JobStore) -> None:
     await join(redis, "w1")
     await submit(redis, "job_n", kind="sync")
-    await store.start("job_n.1", "w1")
+    await claim_and_start(redis, "job_n.1", "w1")
     async with redis.pubsub() as pubsub:
         await pubsub.subscribe(keys.DONE_CHANNEL)
         await pubsub.get_message(timeout=1)
@@ -210,7 +213,7 @@ async def test_a_sync_outcome_too_big_for_a_notice_is_announced_bare_and_kept_fo
         redis: Redis, store: JobStore) -> None:
     await join(redis, "w1")
     await submit(redis, "job_b", kind="sync")
-    await store.start("job_b.1", "w1")
+    await claim_and_start(redis, "job_b.1", "w1")
     big = JobOutcome(status=JobStatus.succeeded, result={"answers": {"q": "x" * NOTICE_OUTCOME_MAX}})
     async with redis.pubsub() as pubsub:
         await pubsub.subscribe(keys.DONE_CHANNEL)

@@ -16,6 +16,7 @@ from common.queue.membership import Backlog, BacklogReader, WorkerInfo, heartbea
 from common.queue.placement import INTERACTIVE_LEAD_MS, Admission, Dispatcher, IdempotencyClaim, Placement
 from common.queue.records import JobStore
 from common.settings import RoutingPolicy
+from tests.conftest import claim_and_start
 
 QUEUE = keys.queue_name("solo")
 
@@ -73,11 +74,10 @@ async def test_interactive_work_starts_before_a_batch_backlog_but_only_within_it
 
 async def test_a_tenant_that_was_away_starts_at_the_queues_virtual_time_not_at_its_old_clock(
         redis: Redis, dispatcher: Dispatcher) -> None:
-    store = JobStore(redis, result_ttl=60)
     for n in range(6):
         await place(dispatcher, f"job_a{n}", Admission(tenant="a"))
     for n in range(4):  # the worker starts a's first four: the queue's virtual time moves to a3's fair start
-        assert await store.start(f"job_a{n}.1", "solo") is not None
+        assert await claim_and_start(redis, f"job_a{n}.1", "solo") is not None
     await place(dispatcher, "job_b", Admission(tenant="b"))
     waiting = [job for job in await start_order(redis) if job not in {f"job_a{n}" for n in range(4)}]
     assert waiting[0] == "job_b" or waiting[:2] == ["job_a4", "job_b"]  # next, not after a's backlog
@@ -92,7 +92,7 @@ async def test_a_tenant_at_its_concurrency_limit_is_refused_until_a_job_ends(red
     assert (await place(dispatcher, "job_b", Admission(tenant="b", max_concurrent_jobs=2))).queue  # b unaffected
     assert not await redis.exists(keys.job_key("job_3"))  # nothing of a refused job is written
     store = JobStore(redis, result_ttl=60)
-    assert await store.start("job_1.1", "solo") is not None
+    assert await claim_and_start(redis, "job_1.1", "solo") is not None
     assert await store.store("job_1.1", JobOutcome(status=JobStatus.succeeded, result={}), time.monotonic() + 5)
     assert (await place(dispatcher, "job_3", limited)).queue  # one ended: room again
     assert await store.cancel("job_2", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
@@ -137,7 +137,7 @@ async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: 
     for n in range(5):
         await place(dispatcher, f"job_{n}", Admission(tenant="a"))
     for n in range(2):
-        assert await store.start(f"job_{n}.1", "solo") is not None
+        assert await claim_and_start(redis, f"job_{n}.1", "solo") is not None
     assert await store.cancel("job_4", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
                                                                                     "message": "m"}))
     backlog = (await reader.read([QUEUE]))[QUEUE]

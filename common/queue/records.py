@@ -1,6 +1,7 @@
 """The job status record in Redis, and every write of it: when the job is placed (`record_placed`, in
 placement.py's script) or queued again (`record_requeued`, in leases.py's move and reruns.py's rerun), then
-by the job's current owner (start, store) or by the API (cancel, collect). Every write is a script
+by the job's current owner (its start, `record_start` in claims.py's claim; its outcome, `store`) or by the
+API (cancel, collect). Every write is a script
 that checks the record first, so the first ending wins and a worker the job was taken from (moved
 off it while it was paused) can neither start it nor store an outcome: the record names its current
 placement, and only that placement's worker passes the check (fencing)."""
@@ -53,7 +54,7 @@ end
 """
 
 # record_start(key, placement, worker): the start of the job of record `key` by `placement` (its arq job id) on
-# `worker`, a Lua function that this module's start and claims.py's claim run. Nothing unless the record names
+# `worker`, a Lua function that claims.py's claim runs. Nothing unless the record names
 # this placement and the job has not ended; then it is running here (no longer waiting in its queue, nor in its
 # interactive lane, and its fair start is the queue's virtual time if later, common/queue/placement.py), its
 # `attempts` (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by
@@ -79,12 +80,6 @@ local function record_start(key, placement, worker)
   return {f[3], f[4], tostring(now), attempts}
 end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL))
-
-# KEYS[1] record; ARGV: arq job id, worker id.
-_START = START_LUA + """
-return record_start(KEYS[1], ARGV[1], ARGV[2])
-"""
-
 
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
     """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`, `kind`:
@@ -201,16 +196,9 @@ class JobStore:
         self.result_ttl = result_ttl
         self.longest_job_seconds = abort_mark_ttl
         self.abort_mark_ms = int((abort_mark_ttl + 60) * 1000)
-        self._start = redis.register_script(_START)
         self._store = redis.register_script(_STORE)
         self._cancel = redis.register_script(_CANCEL)
         self._collect = redis.register_script(_COLLECT)
-
-    async def start(self, arq_job_id: str, worker_id: str) -> Started | None:
-        """Mark the job running on `worker_id` if `arq_job_id` is its current placement and it has not
-        ended; None otherwise (it was moved, cancelled or expired)."""
-        return started_from(await self._start(keys=[keys.job_key(keys.job_of(arq_job_id))],
-                                              args=[arq_job_id, worker_id]))
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
