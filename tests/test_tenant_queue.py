@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
@@ -70,6 +71,41 @@ async def test_interactive_work_starts_before_a_batch_backlog_but_only_within_it
     lead = scores[b"job_batch0.1"] - scores[b"job_sync.1"]
     assert lead == INTERACTIVE_LEAD_MS  # both tenants' first jobs start at the queue's virtual time: the lead apart
     assert await redis.zcard(keys.interactive_key(QUEUE)) == 2  # what an interactive job's admission counts
+
+
+async def test_an_interactive_job_is_admitted_on_the_interactive_jobs_ahead_of_it_alone(redis: Redis) -> None:
+    """Admission by expected finish: a batch job waits behind the whole queue, an interactive one only
+    behind the interactive jobs not yet started whose deadlines have not passed."""
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      avg_job_seconds=10.0, started_at=time.time()))
+    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
+
+    async def within(job_id: str, seconds: float, lane: Lane) -> Placement:
+        record = {"status": "queued", "request_id": "req_t", "kind": "async"}
+        return await dispatcher.place(job_id, "k", seconds, record, 600, b"{}", admission=Admission(lane=lane))
+
+    for n in range(20):  # (20 / 2 + 1) * 10 s = 110 s for a job behind them all
+        assert (await within(f"job_batch{n}", 600, Lane.batch)).queue
+    refused = await within("job_late", 60, Lane.batch)
+    assert refused.queue is None and refused.soonest == pytest.approx(110)
+    assert (await within("job_first", 60, Lane.interactive)).queue  # (0 / 2 + 1) * 10 s
+    for n in range(10):
+        assert (await within(f"job_fast{n}", 600, Lane.interactive)).queue
+    behind = await within("job_behind", 60, Lane.interactive)  # (11 / 2 + 1) * 10 s = 65 s
+    assert behind.queue is None and behind.soonest == pytest.approx(65)
+    past = {f"job_fast{n}.1": (await redis_now(redis)) - 1 for n in range(10)}
+    await redis.zadd(keys.interactive_key(QUEUE), past)  # their deadlines passed (the API ends them)
+    assert (await within("job_behind", 60, Lane.interactive)).queue  # (1 / 2 + 1) * 10 s: counted no more
+
+
+async def test_a_placement_that_will_not_run_leaves_the_waiting_and_interactive_sets_as_it_is_claimed(
+        redis: Redis, dispatcher: Dispatcher) -> None:
+    await place(dispatcher, "job_gone", Admission(tenant="a", lane=Lane.interactive, sync=True))
+    await place(dispatcher, "job_kept", Admission(tenant="a", lane=Lane.interactive, sync=True))
+    await redis.delete(keys.job_key("job_gone"))  # its record expired
+    assert await claim_and_start(redis, "job_gone.1", "solo") is None
+    for side in (keys.waiting_key(QUEUE), keys.interactive_key(QUEUE)):
+        assert await redis.zrange(side, 0, -1) == [b"job_kept.1"]
 
 
 async def test_a_tenant_that_was_away_starts_at_the_queues_virtual_time_not_at_its_old_clock(
@@ -143,3 +179,8 @@ async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: 
     backlog = (await reader.read([QUEUE]))[QUEUE]
     assert await redis.zcard(QUEUE) == 5  # arq's queue still holds the running and the cancelled ones
     assert backlog.waiting == 2 and 0 <= backlog.oldest_seconds < 5  # job_2 and job_3
+
+
+async def redis_now(redis: Redis) -> float:
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6

@@ -26,7 +26,12 @@ from common.queue.records import START_LUA, Started, started_from
 _CLAIM = ARQ_LUA + START_LUA + """
 local score = arq_claim(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
 if not score then return false end
-return {score, record_start(KEYS[2], ARGV[1], ARGV[5])}
+local started = record_start(KEYS[2], ARGV[1], ARGV[5])
+if not started then  -- it will not run: it waits no more (its record, which names the sets, may be gone)
+  redis.call('ZREM', KEYS[1] .. ':waiting', ARGV[1])
+  redis.call('ZREM', KEYS[1] .. ':interactive', ARGV[1])
+end
+return {score, started}
 """
 
 

@@ -115,9 +115,8 @@ end
 -- An interactive job waits only behind the interactive jobs queued there (it goes before batch work).
 local function expected_finish(w)
   local queued = w.length
-  if interactive then
-    redis.call('ZREMRANGEBYSCORE', w.queue .. ':interactive', '-inf', now)
-    queued = redis.call('ZCARD', w.queue .. ':interactive')
+  if interactive then  -- those whose deadline has not passed (an ended job's entry goes as it ends)
+    queued = redis.call('ZCOUNT', w.queue .. ':interactive', '(' .. now, '+inf')
   end
   local ahead = queued + math.max(0, w.running - w.max_jobs + 1)
   return (ahead / w.max_jobs + 1) * w.avg_job_seconds
@@ -139,7 +138,8 @@ if not target then return {'overloaded', tostring(soonest)} end
 -- last (records.py `start`); a tenant's clock in a lane says where its next job starts, never behind the
 -- queue's virtual time, and each job moves it on by its cost.
 local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
-local start = math.max(tonumber(redis.call('GET', vclock) or 0), tonumber(redis.call('GET', clock) or 0))
+local clocks = redis.call('MGET', vclock, clock)
+local start = math.max(tonumber(clocks[1] or 0), tonumber(clocks[2] or 0))
 redis.call('SET', clock, tostring(start + tonumber(ARGV[17])), 'EX', ARGV[15])
 local score = start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
 

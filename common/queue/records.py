@@ -63,14 +63,14 @@ end
 START_LUA = """
 local function record_start(key, placement, worker)
   local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
-                      'attempts')
+                      'attempts', 'lane')
   if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
   local t = redis.call('TIME')
   local now = t[1] + t[2] / 1e6
   local attempts = (tonumber(f[7]) or 0) + 1
   redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
   if f[5] then
-    redis.call('ZREM', f[5] .. ':interactive', placement)
+    if f[8] ~= 'batch' then redis.call('ZREM', f[5] .. ':interactive', placement) end
     redis.call('ZREM', f[5] .. ':waiting', placement)
     local vclock = f[5] .. ':vclock'
     if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
