@@ -9,8 +9,9 @@ tests/test_arq_surface.py checks that the installed release reads this layout.
 
 Beside arq's keys, a queue has two sets of ours that follow its placements: `<queue>:waiting` (when each
 was queued: the backlog the API reports) and `<queue>:interactive` (the interactive lane's placements,
-until their deadlines: what an interactive job waits behind). `arq_enqueue` and `arq_take_off` keep them
-with the queue, and every queue entry wakes its worker (`<queue>` + keys.WAKE_SUFFIX)."""
+until they start; what an interactive job waits behind is those whose deadlines have not passed).
+`arq_enqueue` and `arq_take_off` keep them with the queue, a placement leaves them as it is claimed (claims.py)
+or cancelled, and every queue entry wakes its worker (`<queue>` + keys.WAKE_SUFFIX)."""
 
 from __future__ import annotations
 

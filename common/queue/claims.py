@@ -3,7 +3,8 @@
 start (records.py `record_start`: the record names this placement and the job has not ended), in one
 script instead of arq's four round trips and the start's own. worker/wakeups.py then hands the job to
 arq's own `Worker.run_job`, and `evaluate` takes the start from there. A placement is claimed even when
-its job may not start (moved, cancelled or ended meanwhile), so that arq finishes it and drops its keys.
+its job may not start (moved, cancelled or ended meanwhile), so that arq finishes it and drops its keys;
+such a placement leaves the queue's waiting and interactive sets there and then.
 The claim names the worker process that holds it (its worker id and a token of its own), so a claim whose
 reply the process lost (Redis restarting, the connection cut) is taken again at its next look at the queue
 instead of standing until it expires, while one held by another process (a paused one whose lease lapsed,
