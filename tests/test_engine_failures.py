@@ -211,7 +211,11 @@ def test_a_killed_engine_costs_no_job_the_other_worker_runs_them(fleet: Fleet, l
     views = {job_id: fleet.wait(job_id) for job_id in jobs}
     assert [v["status"] for v in views.values()] == ["succeeded"] * len(jobs), views
     rerun = [fleet.record(job_id) for job_id, view in views.items() if view.get("attempts")]
-    assert rerun and all(r["last_failure"].startswith("w-c: engine unreachable") for r in rerun)
+    # A call in flight when the engine dies fails as unreachable; on a loaded machine one may have been in
+    # flight past the call limit before the kill came, and failed as hung first: either way, w-c's engine.
+    assert rerun and all(r["last_failure"].startswith("w-c: engine unreachable")
+                         or (r["last_failure"].startswith("w-c: engine call")
+                             and r["last_failure"].endswith(f"got no answer within {CALL_LIMIT:g} s")) for r in rerun)
     assert all(orjson.loads(r["outcome"])["worker_id"] in ("w-a", "w-b") for r in rerun)
     assert worker.process.wait(30) == 3  # its engine is down: the worker stops, as before
 
