@@ -135,7 +135,7 @@ end
 if not target then return {'overloaded', tostring(soonest)} end
 
 -- Start-time fair queuing on the target's queue: its virtual time is the fair start of the job it started
--- last (records.py `start`); a tenant's clock in a lane says where its next job starts, never behind the
+-- last (records.py `record_start`); a tenant's clock in a lane says where its next job starts, never behind the
 -- queue's virtual time, and each job moves it on by its cost.
 local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
 local clocks = redis.call('MGET', vclock, clock)

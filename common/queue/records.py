@@ -54,11 +54,11 @@ end
 """
 
 # record_start(key, placement, worker): the start of the job of record `key` by `placement` (its arq job id) on
-# `worker`, a Lua function that claims.py's claim runs. Nothing unless the record names
-# this placement and the job has not ended; then it is running here (no longer waiting in its queue, nor in its
-# interactive lane, and its fair start is the queue's virtual time if later, common/queue/placement.py), its
-# `attempts` (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by
-# Redis's clock. A running job is taken again only by its own placement (the worker that serves its queue
+# `worker`, a Lua function that claims.py's claim runs (the claim also takes the placement out of its queue's
+# waiting and interactive sets). Nothing unless the record names this placement and the job has not ended; then
+# it is running here (its fair start is the queue's virtual time if later, common/queue/placement.py), its
+# `attempts` (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts, lane}
+# by Redis's clock. A running job is taken again only by its own placement (the worker that serves its queue
 # restarted).
 START_LUA = """
 local function record_start(key, placement, worker)
@@ -70,16 +70,15 @@ local function record_start(key, placement, worker)
   local attempts = (tonumber(f[7]) or 0) + 1
   redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
   if f[5] then
-    if f[8] ~= 'batch' then redis.call('ZREM', f[5] .. ':interactive', placement) end
-    redis.call('ZREM', f[5] .. ':waiting', placement)
     local vclock = f[5] .. ':vclock'
     if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
       redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
     end
   end
-  return {f[3], f[4], tostring(now), attempts}
+  return {f[3], f[4], tostring(now), attempts, f[8]}
 end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL))
+
 
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
     """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`, `kind`:
