@@ -50,6 +50,12 @@ def wait_for_next_heartbeat(redis_url: str, worker_id: str, timeout: float = 15.
         wait_until(made_since, timeout, f"a heartbeat of {worker_id} made after the call")
 
 
+async def redis_now(redis: Redis) -> float:
+    """Redis's clock (TIME), in seconds: the clock deadlines and heartbeats are judged by."""
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6
+
+
 async def claim_and_start(redis: Redis, arq_job_id: str, worker_id: str) -> Started | None:
     """What a worker does as it takes placement `arq_job_id` off its own queue (common/queue/claims.py: arq's
     claim and the record's start, in one script): the job's start, or None when the placement may not run

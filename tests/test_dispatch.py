@@ -14,6 +14,7 @@ from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import FAIR_ORIGIN_MS, Dispatcher, IdempotencyClaim, Placement
 from common.routing import prefix_key
 from common.settings import RoutingPolicy
+from tests.conftest import redis_now
 from tests.routing_reference import admit, expected_finish, round_robin, route_job
 
 
@@ -99,11 +100,11 @@ async def test_a_placed_job_is_recorded_and_enqueued_in_arqs_layout_on_redis_tim
     info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
                       started_at=time.time())
     await heartbeat(redis, info)
-    seconds, micros = await redis.time()
+    before = await redis_now(redis)
     placed = await Dispatcher(redis, 1.25, RoutingPolicy.hash).place(
         "job_x", "k", 30.0, {"status": "queued", "request_id": "req_x"}, 90, b'{"f":"evaluate"}')
     assert placed.queue == info.queue
-    assert 0 <= placed.created_at - (seconds + micros / 1e6) < 1.0  # Redis's clock, not this host's
+    assert 0 <= placed.created_at - before < 1.0  # Redis's clock, not this host's
     assert abs(placed.deadline_at - placed.created_at - 30.0) < 1e-3
     record = await redis.hgetall(keys.job_key("job_x"))
     assert {k: record[k] for k in (b"status", b"request_id", b"queue", b"placement")} == {

@@ -19,6 +19,7 @@ from common.queue.membership import (
     live_workers,
     silent_members,
 )
+from tests.conftest import redis_now
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,6 @@ def info(worker_id: str, **fields: object) -> WorkerInfo:
     return WorkerInfo(id=worker_id, queue=f"q:{worker_id}", model="m", max_jobs=4, max_branches=16,
                       started_at=time.time(), **fields)
 
-
-async def redis_now(redis: Redis) -> float:
-    seconds, micros = await redis.time()
-    return seconds + micros / 1e6
 
 
 async def test_a_worker_that_stops_heartbeating_leaves_the_routing_set_after_the_liveness_window(redis: Redis) -> None:

@@ -18,7 +18,7 @@ from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import Dispatcher
 from common.queue.records import NOTICE_OUTCOME_MAX, SYNC_ANSWERED_KEEP, SYNC_KEEP, JobStore
 from common.settings import RoutingPolicy
-from tests.conftest import claim_and_start
+from tests.conftest import claim_and_start, redis_now
 
 DONE = JobOutcome(status=JobStatus.succeeded, result={"answers": {}})
 CANCELLED = JobOutcome(status=JobStatus.cancelled, http_status=499)
@@ -103,10 +103,6 @@ async def test_a_sync_job_is_removed_when_collected_or_cancelled(redis: Redis, s
     assert not await redis.exists(keys.job_key("job_t"))
     assert await store.store("job_t.1", DONE, time.monotonic() + 5) is False
 
-
-async def redis_now(redis: Redis) -> float:
-    seconds, micros = await redis.time()
-    return seconds + micros / 1e6
 
 
 async def test_an_overdue_ending_waits_for_the_deadline_by_redis_time(redis: Redis, store: JobStore) -> None:

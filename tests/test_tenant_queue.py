@@ -17,7 +17,7 @@ from common.queue.membership import Backlog, BacklogReader, WorkerInfo, heartbea
 from common.queue.placement import INTERACTIVE_LEAD_MS, Admission, Dispatcher, IdempotencyClaim, Placement
 from common.queue.records import JobStore
 from common.settings import RoutingPolicy
-from tests.conftest import claim_and_start
+from tests.conftest import claim_and_start, redis_now
 
 QUEUE = keys.queue_name("solo")
 
@@ -180,7 +180,3 @@ async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: 
     assert await redis.zcard(QUEUE) == 5  # arq's queue still holds the running and the cancelled ones
     assert backlog.waiting == 2 and 0 <= backlog.oldest_seconds < 5  # job_2 and job_3
 
-
-async def redis_now(redis: Redis) -> float:
-    seconds, micros = await redis.time()
-    return seconds + micros / 1e6
