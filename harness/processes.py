@@ -14,6 +14,7 @@ from typing import Self
 
 import httpx
 
+from harness.web import web
 from openjev.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def wait_http(proc: Proc, url: str, timeout: float, status: int = 200) -> None:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited with {proc.process.returncode}:\n{proc.output()[-4000:]}")
         try:
-            if httpx.get(url, timeout=2.0).status_code == status:
+            if web.get(url, timeout=2.0).status_code == status:
                 return
         except httpx.HTTPError:
             pass

@@ -18,6 +18,7 @@ import pytest
 
 from harness.processes import alive
 from harness.stacks import CPU_MODEL_NAME, model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import PASSWORD_FILE, free_port
 
 START_TIMEOUT = 1800.0  # a cold start takes about 2 minutes alone; over 15 on a machine loaded 20-fold
@@ -54,11 +55,11 @@ class SglangServe:
         return self.log.read_text(errors="replace")
 
     def post(self, body: Any, path: str = "/v1/systemone", **kwargs: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=kwargs.pop("timeout", REQUEST_TIMEOUT + 30), **kwargs)
+        return web.post(self.url + path, json=body, timeout=kwargs.pop("timeout", REQUEST_TIMEOUT + 30), **kwargs)
 
     def sglang_metric(self, name: str) -> float:
         """The sum of one counter over its label sets in SGLang's own /metrics."""
-        text = httpx.get(self.engine_url + "/metrics", timeout=30).text
+        text = web.get(self.engine_url + "/metrics", timeout=30).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
@@ -116,7 +117,7 @@ def _wait_ready(served: SglangServe) -> None:
         if served.process.poll() is not None:
             raise AssertionError(f"serve exited with {served.process.returncode}:\n{served.output()[-6000:]}")
         try:
-            if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+            if web.get(served.url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -13,6 +13,7 @@ import httpx
 
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
+from harness.web import web
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Every CPU engine a test starts (child processes inherit this) computes in float32, whatever the host.
@@ -46,13 +47,13 @@ class Stack:
         return self.api.url
 
     def post(self, body: Any, path: str = "/v1/systemone", **kwargs: Any) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=kwargs.pop("timeout", 60), **kwargs)
+        return web.post(self.url + path, json=body, timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def engine_stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.engine.url}/stats", timeout=5).json()
+        return web.get(f"{self.engine.url}/stats", timeout=5).json()
 
     def script(self, **settings: Any) -> None:
-        httpx.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
+        web.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
 
     def stop(self) -> None:
         for proc in [self.api, *self.workers, *self.extra, self.engine]:

@@ -276,18 +276,20 @@ class Supervisor:
         started = time.monotonic()
         deadline = started + timeout
         next_note = started + PROGRESS_INTERVAL
-        while time.monotonic() < deadline and not self._stopping:
-            if self._check_children() is not None:  # any fatal death ends the start, not only this child's
-                return False
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() >= next_note:
-                _log(f"still waiting for {child.name} ({time.monotonic() - started:.0f} s)")
-                next_note += PROGRESS_INTERVAL
-            time.sleep(0.5)
+        # One client for the whole wait: `httpx.get()` would build one, and its SSL context, at every poll.
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline and not self._stopping:
+                if self._check_children() is not None:  # any fatal death ends the start, not only this child's
+                    return False
+                try:
+                    if client.get(url).status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() >= next_note:
+                    _log(f"still waiting for {child.name} ({time.monotonic() - started:.0f} s)")
+                    next_note += PROGRESS_INTERVAL
+                time.sleep(0.5)
         if not self._stopping:
             _log(f"{child.name} did not become healthy within {timeout:.0f} s")
         return False

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import math
 
-import httpx
 import orjson
 import pytest
 import zstandard
@@ -14,6 +13,7 @@ import zstandard
 from common.contract import EXAMPLE_REQUEST
 from harness.processes import start_api
 from harness.stacks import Stack
+from harness.web import web
 
 NOUL = {"type": "noul", "instructions": "Is the customer asking for money back?"}
 CHOICE = {"type": "choice", "instructions": "Which team?", "criteria": {"Billing": "Payments", "Technical": None}}
@@ -100,7 +100,7 @@ def test_cached_tokens_header_is_absent_not_zero_when_the_engine_does_not_report
 def test_compressed_bodies_are_decompressed(scripted_stack: Stack, encoding: str) -> None:
     raw = orjson.dumps(body(state="charged twice " * 200))
     data = zstandard.ZstdCompressor().compress(raw) if encoding == "zstd" else gzip.compress(raw)
-    r = httpx.post(scripted_stack.url + "/v1/systemone", content=data, timeout=60,
+    r = web.post(scripted_stack.url + "/v1/systemone", content=data, timeout=60,
                    headers={"Content-Type": "application/json", "Content-Encoding": encoding})
     assert r.status_code == 200, r.text
     assert set(r.json()["answers"]) == {"q"}
@@ -108,13 +108,13 @@ def test_compressed_bodies_are_decompressed(scripted_stack: Stack, encoding: str
 
 def test_body_over_the_limit_is_413_even_when_compressed_small(scripted_stack: Stack) -> None:
     big = orjson.dumps(body(state="x" * (3 * 1024 * 1024)))
-    r = httpx.post(scripted_stack.url + "/v1/systemone", content=big, timeout=60,
+    r = web.post(scripted_stack.url + "/v1/systemone", content=big, timeout=60,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert r.json()["detail"]["error_type"] == "request_too_large"
     packed = zstandard.ZstdCompressor().compress(big)
     assert len(packed) < 100_000
-    r = httpx.post(scripted_stack.url + "/v1/systemone", content=packed, timeout=60,
+    r = web.post(scripted_stack.url + "/v1/systemone", content=packed, timeout=60,
                    headers={"Content-Type": "application/json", "Content-Encoding": "zstd"})
     assert r.status_code == 413
     assert r.headers["x-typesafe-request-id"].startswith("req_")
@@ -175,7 +175,7 @@ def test_invalid_requests_get_a_documented_4xx_before_any_engine_call(scripted_s
 
 
 def test_malformed_json_is_422_not_5xx(scripted_stack: Stack) -> None:
-    r = httpx.post(scripted_stack.url + "/v1/systemone", content=b'{"model": "jev-latest", "state": "x", "q',
+    r = web.post(scripted_stack.url + "/v1/systemone", content=b'{"model": "jev-latest", "state": "x", "q',
                    headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 422
     assert r.headers["x-typesafe-request-id"].startswith("req_")
@@ -197,17 +197,17 @@ def test_a_failed_branch_cancels_and_aborts_its_siblings_in_the_engine(scripted_
 
 
 def test_models_limits_health_and_docs_routes(scripted_stack: Stack) -> None:
-    models = httpx.get(scripted_stack.url + "/v1/models").json()["models"]
+    models = web.get(scripted_stack.url + "/v1/models").json()["models"]
     assert models[0]["name"] == scripted_stack.env["OPENJEV_SERVED_MODEL_NAME"]
     assert all(set(m) == {"name", "description", "release_date"} for m in models)
-    limits = httpx.get(scripted_stack.url + "/v1/limits").json()
+    limits = web.get(scripted_stack.url + "/v1/limits").json()
     assert limits["max_options"] >= 26 and limits["max_questions"] == 64 and limits["live_workers"] == 1
-    health = httpx.get(scripted_stack.url + "/health")
+    health = web.get(scripted_stack.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    assert httpx.get(scripted_stack.url + "/health/live").json() == {"status": "ok"}
+    assert web.get(scripted_stack.url + "/health/live").json() == {"status": "ok"}
     for path in ("/", "/docs", "/openapi.json"):
-        assert httpx.get(scripted_stack.url + path).status_code == 200
-    missing = httpx.get(scripted_stack.url + "/nope")
+        assert web.get(scripted_stack.url + path).status_code == 200
+    missing = web.get(scripted_stack.url + "/nope")
     assert missing.status_code == 404 and missing.json()["detail"]["error_type"] == "not_found_error"
 
 
@@ -220,16 +220,16 @@ def keyed_api(scripted_stack: Stack):
 
 def test_auth_missing_key_is_403_wrong_key_401_bearer_only(keyed_api) -> None:
     url = keyed_api.url + "/v1/systemone"
-    missing = httpx.post(url, json=body(), timeout=30)
+    missing = web.post(url, json=body(), timeout=30)
     assert missing.status_code == 403 and missing.json()["detail"]["error_type"] == "authentication_error"
-    wrong = httpx.post(url, json=body(), headers={"Authorization": "Bearer nope"}, timeout=30)
+    wrong = web.post(url, json=body(), headers={"Authorization": "Bearer nope"}, timeout=30)
     assert wrong.status_code == 401 and wrong.json()["detail"]["error_type"] == "authentication_error"
-    other_header = httpx.post(url, json=body(), headers={"x-api-key": "s3cret-key"}, timeout=30)
+    other_header = web.post(url, json=body(), headers={"x-api-key": "s3cret-key"}, timeout=30)
     assert other_header.status_code == 403
-    ok = httpx.post(url, json=body(), headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
+    ok = web.post(url, json=body(), headers={"Authorization": "Bearer s3cret-key"}, timeout=30)
     assert ok.status_code == 200
-    assert httpx.get(keyed_api.url + "/health").status_code == 200
-    assert httpx.get(keyed_api.url + "/v1/models").status_code == 403
+    assert web.get(keyed_api.url + "/health").status_code == 200
+    assert web.get(keyed_api.url + "/v1/models").status_code == 403
 
 
 def test_auth_off_accepts_and_ignores_any_authorization_header(scripted_stack: Stack) -> None:

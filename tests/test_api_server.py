@@ -9,13 +9,13 @@ import time
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-import httpx
 import pytest
 
 from harness.processes import Proc, start_api
 from harness.procfs import wakeups
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, stack_env
+from harness.web import web
 from tests.conftest import wait_until
 from tests.test_logs import events
 
@@ -54,7 +54,7 @@ def test_every_response_carries_one_current_date(scripted_stack: Stack) -> None:
     """The Date is the app's, formatted when a response asks for it (nothing refreshes it at rest)."""
     dates = []
     for path in ("/health/live", "/v1/nothing-here", "/health/live"):
-        response = httpx.get(f"{scripted_stack.api.url}{path}", timeout=10)
+        response = web.get(f"{scripted_stack.api.url}{path}", timeout=10)
         assert len(response.headers.get_list("date")) == 1, response.headers
         assert "server" not in response.headers
         sent = parsedate_to_datetime(response.headers["date"]).timestamp()
@@ -69,7 +69,7 @@ def test_a_signal_stops_the_api_gracefully(signum: int, model_dir: Path, log_dir
     with fresh_redis() as redis_url:
         api: Proc = start_api(log_dir, stack_env(redis_url, model_dir), wait_ready=False)
         try:
-            assert httpx.get(f"{api.url}/health/live", timeout=10).status_code == 200
+            assert web.get(f"{api.url}/health/live", timeout=10).status_code == 200
             started = time.monotonic()
             assert api.stop(signum, timeout=15) == 0, api.output()[-4000:]
             assert time.monotonic() - started < 10

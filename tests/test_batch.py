@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.processes import ROOT
 from harness.stacks import Stack
+from harness.web import web
 from openjev.batch import BatchOptions, retry_after, run_batch
 
 QUESTIONS = {
@@ -65,7 +66,7 @@ class Counts(dict):
 def job_submits(stack: Stack) -> Counts:
     """POST /v1/jobs answers so far by status, from the API's /metrics: 202 a new job, 200 one a key found."""
     counts = Counts()
-    for family in text_string_to_metric_families(httpx.get(stack.url + "/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(web.get(stack.url + "/metrics", timeout=30).text):
         for sample in family.samples:
             if sample.name == "openjev_requests_total" and sample.labels["route"] == "/v1/jobs":
                 counts[sample.labels["status"]] = int(sample.value)

@@ -10,11 +10,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from harness.processes import start_cpu_engine
 from harness.stacks import Stack, build_stack, model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import start_redis
 from tests.conftest import FIGURES
 from tests.test_integration import EXTRA, QUESTIONS, TICKET, numbers
@@ -60,7 +60,7 @@ def bf16_stacks(model_dir: Path, log_dir: Path) -> Iterator[tuple[Stack, Stack]]
 
 
 def forward_passes(stack: Stack) -> int:
-    return httpx.get(f"{stack.engine.url}/stats", timeout=5).json()["forward_passes"]
+    return web.get(f"{stack.engine.url}/stats", timeout=5).json()["forward_passes"]
 
 
 def ask(stack: Stack, state: str) -> dict:

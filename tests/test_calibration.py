@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from common.calibration import (
@@ -26,6 +25,7 @@ from common.calibration import (
 )
 from harness.processes import start_api
 from harness.stacks import Stack
+from harness.web import web
 
 
 def softmax(logits: list[float]) -> list[float]:
@@ -274,7 +274,7 @@ def test_the_server_applies_the_calibration_file_to_its_answers(cpu_stack: Stack
     try:
         plain = cpu_stack.post(body, timeout=120).json()["answers"]
         assert calibrated_api.url
-        calibrated = httpx.post(calibrated_api.url + "/v1/systemone", json=body, timeout=120).json()["answers"]
+        calibrated = web.post(calibrated_api.url + "/v1/systemone", json=body, timeout=120).json()["answers"]
     finally:
         calibrated_api.stop()
     p = plain["refund"]["noul"]

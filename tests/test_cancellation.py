@@ -13,6 +13,7 @@ import pytest
 
 from harness.processes import start_cpu_engine
 from harness.stacks import Stack, build_stack, isolated_scripted_stack, model_cache_dir
+from harness.web import web
 from tests.conftest import wait_for_next_heartbeat
 from tests.test_api_contract import NOUL, body
 
@@ -70,12 +71,12 @@ def test_past_the_deadline_the_caller_gets_504_and_the_work_is_aborted(slow_stac
 
 def test_a_deleted_async_job_stops_in_the_engine(slow_stack: Stack) -> None:
     before = slow_stack.engine_stats()
-    job = httpx.post(slow_stack.url + "/v1/jobs", json=body(THREE), timeout=30).json()
+    job = web.post(slow_stack.url + "/v1/jobs", json=body(THREE), timeout=30).json()
     deadline = time.monotonic() + 20  # until the warm call finished and branches are in the engine
     while slow_stack.engine_stats()["requests_received"] - before["requests_received"] < 2:
         assert time.monotonic() < deadline, "the job's branches never reached the engine"
         time.sleep(0.05)
-    cancelled = httpx.delete(f"{slow_stack.url}/v1/jobs/{job['id']}", timeout=30).json()
+    cancelled = web.delete(f"{slow_stack.url}/v1/jobs/{job['id']}", timeout=30).json()
     assert cancelled["status"] == "cancelled"
     after = settle(slow_stack, before, expected_received=2)
     assert delta(after, before, "aborts_received") >= 1
@@ -103,9 +104,9 @@ def test_a_job_whose_deadline_passed_in_the_queue_is_expired_not_run(tight_stack
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # ... so an async job (2 s deadline) is still queued when its deadline passes.
-    job = httpx.post(tight_stack.url + "/v1/jobs", json=body({"q1": NOUL}), timeout=30).json()
+    job = web.post(tight_stack.url + "/v1/jobs", json=body({"q1": NOUL}), timeout=30).json()
     holder.join()
-    status = httpx.get(f"{tight_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=20).json()
+    status = web.get(f"{tight_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=20).json()
     received = tight_stack.engine_stats()["received"]
     assert status["status"] == "expired"
     assert status["error"]["error_type"] == "timeout_error"
@@ -149,13 +150,13 @@ def two_slot_stack(model_dir, log_dir) -> Iterator[Stack]:
 def test_a_big_job_cannot_hold_back_another_jobs_branches(two_slot_stack: Stack) -> None:
     stack = two_slot_stack
     stack.script(delay=0.25)
-    big = httpx.post(stack.url + "/v1/jobs", json=body({f"q{i}": NOUL for i in range(24)}), timeout=30).json()
+    big = web.post(stack.url + "/v1/jobs", json=body({f"q{i}": NOUL for i in range(24)}), timeout=30).json()
     deadline = time.monotonic() + 30
     while big["id"] + ".1.b0" not in stack.engine_stats()["received"] and time.monotonic() < deadline:
         time.sleep(0.05)  # the big job now holds both slots and 22 branches wait for them
-    small = httpx.post(stack.url + "/v1/jobs", json=body({"only": NOUL}, state="another state"), timeout=30).json()
+    small = web.post(stack.url + "/v1/jobs", json=body({"only": NOUL}, state="another state"), timeout=30).json()
     for job in (small, big):
-        done = httpx.get(f"{stack.url}/v1/jobs/{job['id']}", params={"wait": 30}, timeout=40).json()
+        done = web.get(f"{stack.url}/v1/jobs/{job['id']}", params={"wait": 30}, timeout=40).json()
         assert done["status"] == "succeeded", done
     order = stack.engine_stats()["received"]
     big_branches = [i for i, rid in enumerate(order) if rid.startswith(big["id"] + ".1.b")]

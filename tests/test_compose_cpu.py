@@ -22,6 +22,7 @@ from testcontainers.core.docker_client import DockerClient
 from harness.processes import ROOT
 from harness.redis_servers import docker_answers
 from harness.stacks import Stack
+from harness.web import web
 from openjev.embedded_redis import free_port
 
 PROFILE_IMAGES = ("openjev:0.1.0", "openjev-cpu-engine:0.1.0")
@@ -106,7 +107,7 @@ def wait_healthy(url: str, base: list[str], env: dict[str, str]) -> None:
     deadline = time.monotonic() + UP_TIMEOUT
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            if web.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -118,7 +119,7 @@ def wait_healthy(url: str, base: list[str], env: dict[str, str]) -> None:
 
 def test_the_cpu_profile_answers_the_readme_example_as_the_local_stack_does(compose_api: str,
                                                                              cpu_stack: Stack) -> None:
-    response = httpx.post(f"{compose_api}/v1/systemone", json=EXAMPLE, timeout=300)
+    response = web.post(f"{compose_api}/v1/systemone", json=EXAMPLE, timeout=300)
     assert response.status_code == 200, response.text
     answers = response.json()["answers"]
     assert set(answers) == set(EXAMPLE["questions"])

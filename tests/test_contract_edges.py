@@ -14,6 +14,7 @@ import zstandard
 from common.prompt import state_messages
 from common.settings import Settings
 from harness.stacks import Stack
+from harness.web import web
 
 NOUL = {"type": "noul", "instructions": "Refund?"}
 
@@ -23,7 +24,7 @@ def body(questions: dict | None = None, **fields) -> dict:
 
 
 def post_raw(stack: Stack, raw: bytes, path: str = "/v1/systemone", **headers: str) -> httpx.Response:
-    return httpx.post(stack.url + path, content=raw, timeout=60,
+    return web.post(stack.url + path, content=raw, timeout=60,
                       headers={"Content-Type": "application/json", **headers})
 
 
@@ -183,7 +184,7 @@ def test_large_integers_in_the_state_are_kept_whole(scripted_stack: Stack) -> No
 
 
 def test_405_names_every_method_of_the_path_including_delete(scripted_stack: Stack) -> None:
-    r = httpx.request("PUT", scripted_stack.url + "/v1/jobs/job_x", timeout=10)
+    r = web.request("PUT", scripted_stack.url + "/v1/jobs/job_x", timeout=10)
     assert r.status_code == 405
     assert r.headers["allow"] == "DELETE, GET"
-    assert httpx.request("PATCH", scripted_stack.url + "/v1/systemone", timeout=10).headers["allow"] == "POST"
+    assert web.request("PATCH", scripted_stack.url + "/v1/systemone", timeout=10).headers["allow"] == "POST"

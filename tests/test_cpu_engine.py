@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness.processes import Proc, spawn
+from harness.web import web
 from openjev.embedded_redis import free_port
 from worker.cpu_engine import model as engine_model
 from worker.cpu_engine.prefix_cache import PrefixCache
@@ -93,7 +94,7 @@ def warm_body(input_ids: list[int], **extra: Any) -> dict[str, Any]:
 
 
 def generate(url: str, body: dict[str, Any]) -> Any:
-    response = httpx.post(f"{url}/generate", json=body, timeout=120)
+    response = web.post(f"{url}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -103,7 +104,7 @@ def label_logprobs(answer: dict[str, Any]) -> list[float]:
 
 
 def stats(url: str) -> dict[str, int]:
-    return httpx.get(f"{url}/stats", timeout=5).json()
+    return web.get(f"{url}/stats", timeout=5).json()
 
 
 def salt() -> str:
@@ -221,11 +222,11 @@ def test_the_api_side_loads_the_converted_tokenizer_without_torch(model_dir: Pat
 
 
 def test_health_and_model_info_describe_the_served_model(engine: str, model_dir: Path) -> None:
-    assert httpx.get(f"{engine}/health", timeout=5).status_code == 200
-    info = httpx.get(f"{engine}/model_info", timeout=5).json()
+    assert web.get(f"{engine}/health", timeout=5).status_code == 200
+    info = web.get(f"{engine}/model_info", timeout=5).json()
     assert info == {"model_path": str(model_dir), "tokenizer_path": str(model_dir), "is_generation": True,
                     "served_model_name": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-    assert httpx.get(f"{engine}/server_info", timeout=5).json()["max_context_length"] == 8192
+    assert web.get(f"{engine}/server_info", timeout=5).json()["max_context_length"] == 8192
 
 
 def test_label_logprobs_are_full_vocabulary_log_probabilities(engine: str, tokenizer: Any, prefix: list[int],
@@ -364,7 +365,7 @@ def test_a_cold_batch_computes_the_start_its_prompts_share_once(engine: str, tok
 def test_unsupported_requests_are_400_with_sglang_error_body(engine: str, labels: list[int],
                                                              change: dict[str, Any], message: str) -> None:
     body = score_body([1, 2, 3], labels) | change
-    response = httpx.post(f"{engine}/generate", json=body, timeout=30)
+    response = web.post(f"{engine}/generate", json=body, timeout=30)
     assert response.status_code == 400
     error = response.json()
     assert (error["object"], error["type"], error["code"]) == ("error", "BadRequestError", 400)

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Response, Route, expect, sync_playwright
 
 from harness.stacks import Stack
+from harness.web import web
 
 CHROMIUM = shutil.which("chromium")
 CHROMIUM_FLAGS = [
@@ -94,7 +94,7 @@ def offline(browser: Browser) -> Iterator[OfflinePage]:
 
 
 def schema_example(url: str) -> dict:
-    schema = httpx.get(f"{url}/openapi.json", timeout=10).json()
+    schema = web.get(f"{url}/openapi.json", timeout=10).json()
     body = schema["paths"]["/v1/systemone"]["post"]["requestBody"]["content"]["application/json"]
     return body["examples"]["ticket"]["value"]
 

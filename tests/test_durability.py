@@ -28,6 +28,7 @@ from common.queue import keys
 from harness.aof import in_file, start_stress
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.stacks import CPU_MODEL_NAME, stack_env
+from harness.web import web
 from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
 from tests.test_api_contract import NOUL, body
 from tests.test_faults import Served, descendants, start_serve, stop_serve
@@ -57,10 +58,10 @@ class DurableStack:
 
     def script(self, **settings: Any) -> None:
         assert self.engine.url
-        httpx.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
+        web.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
 
     def engine_stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.engine.url}/stats", timeout=5).json()
+        return web.get(f"{self.engine.url}/stats", timeout=5).json()
 
     def stop(self) -> None:
         for proc in (self.api, self.worker, self.engine):
@@ -77,7 +78,7 @@ def durable(tmp_path: Path, log_dir: Path, model_dir: Path) -> Iterator[DurableS
 
 def submit_all(stack: DurableStack, count: int) -> list[str]:
     def submit(i: int) -> str:
-        response = httpx.post(stack.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
+        response = web.post(stack.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
                               timeout=30)
         assert response.status_code == 202, response.text
         return response.json()["id"]
@@ -111,7 +112,7 @@ def outcomes(stack: DurableStack, job_ids: list[str], timeout: float = 180.0) ->
 
     def final(job_id: str) -> str:
         while time.monotonic() < deadline:
-            response = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
+            response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
             if response.status_code == 503:
                 assert int(response.headers["retry-after"]) >= 1
                 time.sleep(0.5)
@@ -131,7 +132,7 @@ def assert_gap_answers_503_fast(stack: DurableStack) -> None:
     """What a client sees while Redis is down: a quick 503 with Retry-After, never a 500 or a hang."""
     for path in ("/v1/jobs", "/v1/systemone"):
         started = time.monotonic()
-        response = httpx.post(stack.url + path, json=body({"q": NOUL}), timeout=30)
+        response = web.post(stack.url + path, json=body({"q": NOUL}), timeout=30)
         assert time.monotonic() - started < 5.0
         assert response.status_code == 503, response.text
         assert response.json()["detail"]["error_type"] == "unavailable_error"
@@ -167,7 +168,7 @@ def test_an_async_jobs_202_comes_once_its_job_is_in_the_append_only_file(
     stress = start_stress(tmp_path)
     try:
         for i in range(60):
-            response = httpx.post(durable.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
+            response = web.post(durable.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
                                   timeout=30)
             assert response.status_code == 202, response.text
             job_id = response.json()["id"]
@@ -198,7 +199,7 @@ def test_without_an_append_only_file_or_info_a_job_is_acknowledged_at_once(durab
         assert refused[:2] == (False, False) and refused[2] < 1.0
         owner.config_set("appendonly", "no")
         assert asyncio.run(wait(durable.redis.url))[:2] == (False, True)
-        response = httpx.post(durable.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30)
+        response = web.post(durable.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30)
         assert response.status_code == 202, response.text
     finally:
         owner.close()
@@ -235,7 +236,7 @@ def answered(served: Served, timeout: float = 60.0) -> httpx.Response:
     """The first non-503 answer to a sync request, retrying the 503s of a Redis restart."""
     deadline = time.monotonic() + timeout
     while True:
-        response = httpx.post(served.url + "/v1/systemone", json=body({"q": NOUL}), timeout=30)
+        response = web.post(served.url + "/v1/systemone", json=body({"q": NOUL}), timeout=30)
         if response.status_code != 503 or time.monotonic() > deadline:
             return response
         assert int(response.headers["retry-after"]) >= 1
@@ -263,8 +264,8 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
         password = (redis_dir / "password").read_text().strip()
         pid, title = serve_redis(served)
         port = port_of(title)
-        httpx.post(f"{engine.url}/script", json={"delay": 2.0}, timeout=5).raise_for_status()
-        job = httpx.post(served.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30).json()
+        web.post(f"{engine.url}/script", json={"delay": 2.0}, timeout=5).raise_for_status()
+        job = web.post(served.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30).json()
 
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -274,10 +275,10 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
         assert port_of(serve_redis(served)[1]) == port  # in place: the same port, data directory and password
         assert persistence(port, redis_dir)["dir"] == str(redis_dir)
 
-        httpx.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
+        web.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
         response = answered(served)
         assert response.status_code == 200, response.text
-        final = httpx.get(f"{served.url}/v1/jobs/{job['id']}", params={"wait": 20}, timeout=40).json()
+        final = web.get(f"{served.url}/v1/jobs/{job['id']}", params={"wait": 20}, timeout=40).json()
         assert final.get("status") == "succeeded", final  # accepted before the kill, answered after it
         assert served.process.poll() is None
         assert "redis exited with -9; restarting it (in place" in served.output()
@@ -288,7 +289,7 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
 
     again = start_connected_serve(log_dir, engine, model_dir, redis_dir)  # the same data dir, a new serve
     try:
-        kept = httpx.get(f"{again.url}/v1/jobs/{job['id']}", timeout=30).json()
+        kept = web.get(f"{again.url}/v1/jobs/{job['id']}", timeout=30).json()
         assert kept["status"] == "succeeded"  # the jobs outlive serve itself
         assert (redis_dir / "password").read_text().strip() == password
     finally:

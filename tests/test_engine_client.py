@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import pytest_asyncio
 
 from harness.processes import Proc, start_scripted_engine
+from harness.web import web
 from openjev.embedded_redis import free_port
 from worker.engine_client import BranchPrompt, EngineAborted, EngineClient, EngineError, GenerateResult, SharedPrefix
 
@@ -46,7 +46,7 @@ async def client(engine: Proc) -> AsyncIterator[EngineClient]:
 
 
 def script(engine: Proc, **settings: Any) -> None:
-    httpx.post(f"{engine.url}/script", json=settings, timeout=5).raise_for_status()
+    web.post(f"{engine.url}/script", json=settings, timeout=5).raise_for_status()
 
 
 def replay(engine: Proc, frontend: str, case: str) -> dict[str, Any]:
@@ -132,7 +132,7 @@ async def test_an_abort_sent_before_the_engine_registered_the_call_still_aborts_
 
 
 def stats(engine: Proc) -> dict[str, Any]:
-    return httpx.get(f"{engine.url}/stats", timeout=5).json()
+    return web.get(f"{engine.url}/stats", timeout=5).json()
 
 
 async def settled(engine: Proc, before: dict[str, Any], timeout: float = 8.0) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 import redis
@@ -22,6 +21,7 @@ from common.queue import keys
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, isolated_scripted_stack, stack_env
+from harness.web import web
 from worker.evaluation import MAX_RUNS
 
 pytestmark = pytest.mark.integration
@@ -54,13 +54,13 @@ class Fleet:
         return self.api.url
 
     def script(self, worker_id: str, **settings: Any) -> None:
-        httpx.post(f"{self.engines[worker_id].url}/script", json=settings, timeout=5).raise_for_status()
+        web.post(f"{self.engines[worker_id].url}/script", json=settings, timeout=5).raise_for_status()
 
     def stats(self, worker_id: str) -> dict[str, Any]:
-        return httpx.get(f"{self.engines[worker_id].url}/stats", timeout=5).json()
+        return web.get(f"{self.engines[worker_id].url}/stats", timeout=5).json()
 
     def submit(self, state: str) -> str:
-        response = httpx.post(self.url + "/v1/jobs", json=body(state), timeout=30)
+        response = web.post(self.url + "/v1/jobs", json=body(state), timeout=30)
         assert response.status_code == 202, response.text
         return response.json()["id"]
 
@@ -68,7 +68,7 @@ class Fleet:
         """The job's view once it ended (GET ?wait= until then, bounded by its deadline and a margin)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            view = httpx.get(f"{self.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=20).json()
+            view = web.get(f"{self.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=20).json()
             if view["status"] not in ("queued", "running"):
                 return view
         raise AssertionError(f"job {job_id} still pending past its deadline")
@@ -99,7 +99,7 @@ class Fleet:
     def wait_live(self, *worker_ids: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            workers = httpx.get(self.url + "/health", timeout=10).json()["workers"]
+            workers = web.get(self.url + "/health", timeout=10).json()["workers"]
             if set(worker_ids) <= {w["id"] for w in workers if w["engine_ok"]}:
                 return
             assert time.monotonic() < deadline, f"{worker_ids} not live within {timeout:g} s"
@@ -158,7 +158,7 @@ def test_an_engine_4xx_fails_the_job_at_once_and_it_is_not_run_again(fleet: Flee
         fleet.script(worker_id, fail_rid_suffix=".warm", fail_status=400)
     before = sum(fleet.stats(w)["requests_received"] for w in fleet.engines)
     started = time.monotonic()
-    response = httpx.post(fleet.url + "/v1/systemone", json=body("A prompt the engine refuses."), timeout=40)
+    response = web.post(fleet.url + "/v1/systemone", json=body("A prompt the engine refuses."), timeout=40)
     assert response.status_code == 502, response.text
     assert response.json()["detail"]["error_type"] == "engine_error"
     assert time.monotonic() - started < 5.0

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 import redis
@@ -16,6 +15,7 @@ import redis
 from common.queue import keys
 from harness.processes import start_scripted_engine
 from harness.stacks import Stack, isolated_scripted_stack
+from harness.web import web
 from worker.engine_health import EngineHealth, HealthPolicy, Probe
 
 FAST = HealthPolicy(interval=0.1, timeout=0.5)
@@ -129,7 +129,7 @@ async def test_probe_reads_healthy_unhealthy_silent_and_refused_from_a_real_serv
 
 
 def script(engine_url: str, **settings: object) -> None:
-    httpx.post(f"{engine_url}/script", json=settings, timeout=5).raise_for_status()
+    web.post(f"{engine_url}/script", json=settings, timeout=5).raise_for_status()
 
 
 @dataclass

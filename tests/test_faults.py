@@ -33,6 +33,7 @@ from harness.processes import (
     wait_http,
 )
 from harness.stacks import model_cache_dir, stack_env
+from harness.web import web
 from openjev.embedded_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def assert_error_shape(response: httpx.Response, status: int, error_type: str) -
 
 
 def engine_stats(engine_url: str) -> dict[str, Any]:
-    return httpx.get(f"{engine_url}/stats", timeout=10).json()
+    return web.get(f"{engine_url}/stats", timeout=10).json()
 
 
 def wait_in_flight(engine_url: str, before: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
@@ -129,10 +130,10 @@ class FaultStack:
         return self.redis.url
 
     def post(self, payload: dict[str, Any], path: str = "/v1/systemone", timeout: float = 10.0) -> httpx.Response:
-        return httpx.post(self.url + path, json=payload, timeout=timeout)
+        return web.post(self.url + path, json=payload, timeout=timeout)
 
     def health(self) -> httpx.Response:
-        return httpx.get(self.url + "/health", timeout=10)
+        return web.get(self.url + "/health", timeout=10)
 
     def live_worker_ids(self) -> set[str]:
         return {w["id"] for w in self.health().json()["workers"] if w["engine_ok"]}
@@ -268,7 +269,7 @@ def wait_for_job(stack: FaultStack, job_id: str) -> dict[str, Any]:
     """GET ?wait= until the job ends; bounded by its deadline and a margin."""
     deadline = time.monotonic() + JOB_TIMEOUT + 15
     while time.monotonic() < deadline:
-        view = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=20).json()
+        view = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=20).json()
         if view["status"] not in ("queued", "running"):
             return view
     raise AssertionError(f"job {job_id} still pending past its deadline")
@@ -418,7 +419,7 @@ def start_serve(log_dir: Path, *args: str, **env: str) -> Served:
     while time.monotonic() < deadline:
         assert process.poll() is None, f"serve exited with {process.returncode}:\n{served.output()[-4000:]}"
         try:
-            if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+            if web.get(served.url + "/health", timeout=2).status_code == 200:
                 return served
         except httpx.HTTPError:
             pass
@@ -449,7 +450,7 @@ def test_under_serve_a_worker_killed_mid_request_is_restarted_and_the_request_an
     worker_pid, _ = child(served.process, "worker")
     engine_url = f"http://127.0.0.1:{port_of(child(served.process, 'engine')[1])}"
     before = engine_stats(engine_url)
-    pool, call = in_background(lambda: httpx.post(served.url + "/v1/systemone", json=body("Serve loses a worker."),
+    pool, call = in_background(lambda: web.post(served.url + "/v1/systemone", json=body("Serve loses a worker."),
                                                   timeout=60))
     wait_in_flight(engine_url, before)
     os.kill(worker_pid, signal.SIGKILL)
@@ -496,7 +497,7 @@ def test_under_serve_jobs_whose_engine_died_run_once_serve_is_restarted_on_the_s
         before = engine_stats(engine_url)
         jobs = []
         for i in range(4):
-            submitted = httpx.post(first.url + "/v1/jobs", json=body(f"Engine crash, ticket {i}."), timeout=30)
+            submitted = web.post(first.url + "/v1/jobs", json=body(f"Engine crash, ticket {i}."), timeout=30)
             assert submitted.status_code == 202, submitted.text
             jobs.append(submitted.json()["id"])
         wait_in_flight(engine_url, before)
@@ -509,7 +510,7 @@ def test_under_serve_jobs_whose_engine_died_run_once_serve_is_restarted_on_the_s
         views = []
         for job_id in jobs:
             deadline = time.monotonic() + 300
-            while (view := httpx.get(f"{second.url}/v1/jobs/{job_id}", params={"wait": 10},
+            while (view := web.get(f"{second.url}/v1/jobs/{job_id}", params={"wait": 10},
                                      timeout=20).json())["status"] in ("queued", "running"):
                 assert time.monotonic() < deadline, f"job {job_id} still pending"
             views.append(view)

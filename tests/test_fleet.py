@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 
@@ -28,6 +27,7 @@ from common.routing import rank_workers
 from common.settings import Settings
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.stacks import stack_env
+from harness.web import web
 from tests.conftest import wait_for_next_heartbeat
 
 WORKER_IDS = ["f0", "f1", "f2"]
@@ -64,12 +64,12 @@ class Fleet:
         return rank_workers(self.job(state).prefix_hash, WORKER_IDS)
 
     def submit(self, state: str, api: int = 0) -> str:
-        r = httpx.post(f"{self.apis[api].url}/v1/jobs", json=request_for(state), timeout=30)
+        r = web.post(f"{self.apis[api].url}/v1/jobs", json=request_for(state), timeout=30)
         assert r.status_code == 202, r.text
         return r.json()["id"]
 
     def outcome(self, job_id: str, api: int = 0, wait: float = 30.0) -> dict[str, Any]:
-        r = httpx.get(f"{self.apis[api].url}/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 10)
+        r = web.get(f"{self.apis[api].url}/v1/jobs/{job_id}", params={"wait": wait}, timeout=wait + 10)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -93,11 +93,11 @@ class Fleet:
         """Cancel every job on the worker's queue (its engine's stalled calls are aborted)."""
         for arq_job_id in self.redis.zrange(keys.queue_name(worker_id), 0, -1):
             job_id = keys.job_of(arq_job_id.decode())
-            httpx.delete(f"{self.apis[0].url}/v1/jobs/{job_id}", timeout=10).raise_for_status()
+            web.delete(f"{self.apis[0].url}/v1/jobs/{job_id}", timeout=10).raise_for_status()
 
     def live(self, api: int = 0) -> dict[str, dict[str, Any]]:
         """The routing set as an API reports it in /v1/limits, by worker id."""
-        workers = httpx.get(f"{self.apis[api].url}/v1/limits", timeout=5).json()["workers"]
+        workers = web.get(f"{self.apis[api].url}/v1/limits", timeout=5).json()["workers"]
         return {w["id"]: w for w in workers}
 
     def wait_live(self, expected: set[str], timeout: float) -> float:
@@ -109,15 +109,15 @@ class Fleet:
         return time.monotonic() - started
 
     def engine_stats(self, worker_id: str) -> dict[str, Any]:
-        return httpx.get(f"{self.engines[worker_id].url}/stats", timeout=5).json()
+        return web.get(f"{self.engines[worker_id].url}/stats", timeout=5).json()
 
     def script(self, worker_id: str, **settings: Any) -> None:
-        httpx.post(f"{self.engines[worker_id].url}/script", json=settings, timeout=5).raise_for_status()
+        web.post(f"{self.engines[worker_id].url}/script", json=settings, timeout=5).raise_for_status()
 
     def abort_stalled(self, worker_id: str) -> None:
         """Abort the calls a killed worker left stalled in its engine (nobody else knows their rids)."""
         for rid in self.engine_stats(worker_id)["live"]:
-            httpx.post(f"{self.engines[worker_id].url}/abort_request", json={"rid": rid}, timeout=5)
+            web.post(f"{self.engines[worker_id].url}/abort_request", json={"rid": rid}, timeout=5)
 
     def restart(self, worker_id: str) -> None:
         """Start a worker with the id of one that was killed and wait until it is routed to again."""

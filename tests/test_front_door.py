@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator
 from contextlib import closing
 
-import httpx
 import pytest
 
 from harness.processes import Proc, start_api
 from harness.stacks import Stack
+from harness.web import web
 
 LIMITS = {"OPENJEV_MAX_HEADER_BYTES": "4096", "OPENJEV_HEADER_TIMEOUT": "2", "OPENJEV_BODY_TIMEOUT": "3",
           "OPENJEV_KEEP_ALIVE_TIMEOUT": "1", "OPENJEV_MAX_CONNECTIONS": "6"}
@@ -124,7 +124,7 @@ def test_thousands_of_small_headers_are_431(door: Proc) -> None:
 
 
 def test_headers_within_the_limit_are_served(door: Proc) -> None:
-    r = httpx.get(door.url + "/health/live", headers={"X-Fine": "a" * 3000}, timeout=10)
+    r = web.get(door.url + "/health/live", headers={"X-Fine": "a" * 3000}, timeout=10)
     assert r.status_code == 200
 
 
@@ -187,7 +187,7 @@ def test_connections_beyond_the_limit_get_503_at_once(door: Proc) -> None:
     finally:
         for sock in held:
             hang_up(sock)
-    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+    assert web.get(door.url + "/health/live", timeout=10).status_code == 200
 
 
 def test_a_declared_body_over_the_limit_is_413_before_it_is_read(door: Proc) -> None:
@@ -203,11 +203,11 @@ def test_a_declared_body_over_the_limit_is_413_before_it_is_read(door: Proc) -> 
 
 
 def test_a_client_sending_a_body_over_the_limit_reads_its_413(door: Proc) -> None:
-    r = httpx.post(door.url + "/v1/systemone", content=b"x" * (8 * 1024 * 1024), timeout=30,
+    r = web.post(door.url + "/v1/systemone", content=b"x" * (8 * 1024 * 1024), timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert r.json()["detail"]["error_type"] == "request_too_large"
-    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+    assert web.get(door.url + "/health/live", timeout=10).status_code == 200
 
 
 # --- requests the front door answers itself -------------------------------------------------------
@@ -245,7 +245,7 @@ def test_a_malformed_request_gets_the_contract_error_with_a_request_id(door: Pro
     assert b"content-type: application/json" in response
     assert b"x-typesafe-request-id: req_" in response
     assert json_body(response)["detail"]["error_type"] == "invalid_request_error"
-    assert httpx.get(door.url + "/health/live", timeout=10).status_code == 200
+    assert web.get(door.url + "/health/live", timeout=10).status_code == 200
 
 
 def test_connect_gets_405_with_the_contract_error(door: Proc) -> None:
@@ -293,7 +293,7 @@ def test_the_key_is_checked_before_the_body_is_read(keyed: Proc, headers: dict, 
                            (b"x" * (3 * 1024 * 1024), {}),
                            (gzip.compress(REQUEST)[:-5], {"Content-Encoding": "gzip"}),
                            (REQUEST, {"Content-Encoding": "brotli"})]:
-        r = httpx.post(url, content=content, timeout=30,
+        r = web.post(url, content=content, timeout=30,
                        headers={"Content-Type": "application/json", **headers, **extra})
         assert r.status_code == status, (r.status_code, r.text)
         assert r.json()["detail"]["error_type"] == "authentication_error"
@@ -302,11 +302,11 @@ def test_the_key_is_checked_before_the_body_is_read(keyed: Proc, headers: dict, 
 def test_with_the_key_the_same_bad_bodies_get_their_own_4xx(keyed: Proc) -> None:
     auth = {"Authorization": "Bearer door-key-123", "Content-Type": "application/json"}
     url = keyed.url + "/v1/systemone"
-    assert httpx.post(url, content=b'{"model": "x', headers=auth, timeout=30).status_code == 422
+    assert web.post(url, content=b'{"model": "x', headers=auth, timeout=30).status_code == 422
     truncated = gzip.compress(REQUEST)[:-5]
-    r = httpx.post(url, content=truncated, headers={**auth, "Content-Encoding": "gzip"}, timeout=30)
+    r = web.post(url, content=truncated, headers={**auth, "Content-Encoding": "gzip"}, timeout=30)
     assert r.status_code == 400
-    assert httpx.post(url, content=REQUEST, headers=auth, timeout=30).status_code == 200
+    assert web.post(url, content=REQUEST, headers=auth, timeout=30).status_code == 200
 
 
 # --- pipelining ---------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from common.jobs import JobIds
 from common.queue import keys
 from common.settings import Settings
 from harness.stacks import Stack
+from harness.web import web
 from tests.conftest import wait_until
 from tests.test_api_contract import INVALID, NOUL, SCORE, body
 from tests.test_logs import events
@@ -26,7 +27,7 @@ def _reset_script(scripted_stack: Stack):
 
 
 def submit(stack: Stack, payload: dict, **headers: str) -> httpx.Response:
-    return httpx.post(stack.url + "/v1/jobs", json=payload, headers=headers, timeout=30)
+    return web.post(stack.url + "/v1/jobs", json=payload, headers=headers, timeout=30)
 
 
 def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: Stack) -> None:
@@ -43,7 +44,7 @@ def test_submit_answers_202_with_an_unguessable_id_and_location(scripted_stack: 
 def test_waiting_get_returns_exactly_the_sync_body(scripted_stack: Stack) -> None:
     payload = body({"a": NOUL, "b": SCORE})
     job = submit(scripted_stack, payload).json()
-    got = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
+    got = web.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
     assert got["status"] == "succeeded"
     sync = scripted_stack.post(payload).json()
     assert got["result"] == sync  # same state, same questions: the same answers and usage, byte for byte in JSON
@@ -54,10 +55,10 @@ def test_wait_is_bounded_and_returns_the_pending_status(scripted_stack: Stack) -
     scripted_stack.script(delay=3.0)
     job = submit(scripted_stack, body()).json()
     started = time.monotonic()
-    got = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 1}, timeout=30).json()
+    got = web.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 1}, timeout=30).json()
     assert 0.9 <= time.monotonic() - started < 2.5
     assert got["status"] in ("queued", "running")
-    too_long = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 31}, timeout=30)
+    too_long = web.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 31}, timeout=30)
     assert too_long.status_code == 422
 
 
@@ -68,7 +69,7 @@ def test_delete_cancels_a_running_job_and_aborts_its_calls_in_the_engine(scripte
     url = f"{scripted_stack.url}/v1/jobs/{job['id']}"
     wait_until(lambda: [r for r in scripted_stack.engine_stats()["live"] if r.startswith(job["id"])], 10,
                "the job's warm call live in the engine")
-    cancelled = httpx.delete(url, timeout=30).json()
+    cancelled = web.delete(url, timeout=30).json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["error_type"] == "cancelled"
 
@@ -82,7 +83,7 @@ def test_delete_cancels_a_running_job_and_aborts_its_calls_in_the_engine(scripte
     assert after["requests_aborted"] > before["requests_aborted"]
     assert [rid for rid in after["received"] if rid.startswith(job["id"])]  # it did reach the engine
     assert not [rid for rid in after["finished"] if rid.startswith(job["id"])]  # and nothing of it ran to the end
-    assert httpx.get(url).json()["status"] == "cancelled"
+    assert web.get(url).json()["status"] == "cancelled"
 
 
 def test_idempotency_key_returns_the_same_job_for_a_retried_submission(scripted_stack: Stack) -> None:
@@ -97,7 +98,7 @@ def test_idempotency_key_returns_the_same_job_for_a_retried_submission(scripted_
 
 
 def test_unknown_job_is_404_in_the_error_shape(scripted_stack: Stack) -> None:
-    r = httpx.get(f"{scripted_stack.url}/v1/jobs/job_{'0' * 32}")
+    r = web.get(f"{scripted_stack.url}/v1/jobs/job_{'0' * 32}")
     assert r.status_code == 404
     assert r.json()["detail"]["error_type"] == "not_found_error"
 
@@ -140,26 +141,26 @@ def test_a_sync_request_whose_job_the_queue_loses_is_told_to_send_it_again(scrip
 
 def test_a_lost_job_says_so_apart_from_an_unknown_or_expired_one(scripted_stack: Stack) -> None:
     job = submit(scripted_stack, body()).json()
-    done = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
+    done = web.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", params={"wait": 10}, timeout=30).json()
     assert done["status"] == "succeeded"
     client = Redis.from_url(scripted_stack.redis_url)
     client.delete(keys.job_key(job["id"]))  # what a Redis that lost its data (no persistence, a wiped disk) leaves
     client.close()
-    lost = httpx.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10)
+    lost = web.get(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10)
     assert lost.status_code == 410
     assert lost.json()["detail"]["error_type"] == "job_lost_error"
     assert "submit the request again" in lost.json()["detail"]["message"]
-    assert httpx.delete(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10).status_code == 410
+    assert web.delete(f"{scripted_stack.url}/v1/jobs/{job['id']}", timeout=10).status_code == 410
 
     settings = Settings(_env_file=None, redis_url=scripted_stack.redis_url)  # type: ignore[call-arg]  # the stack's
     issued = JobIds(settings.job_id_key)  # the stack's own ids: its key derives from the Redis URL it shares
     ttl = settings.job_result_ttl
     expired = issued.new(time.time() - ttl - 60)  # older than any record is kept: it expired, or never was
     for job_id in (expired, f"job_{'0' * 32}", "job_not-an-id"):
-        gone = httpx.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
+        gone = web.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
         assert gone.status_code == 404, job_id
         assert gone.json()["detail"]["error_type"] == "not_found_error"
-    lost_too = httpx.get(f"{scripted_stack.url}/v1/jobs/{issued.new(time.time())}", timeout=10)
+    lost_too = web.get(f"{scripted_stack.url}/v1/jobs/{issued.new(time.time())}", timeout=10)
     assert lost_too.status_code == 410  # issued by this server (its tag), younger than the TTL, no record
 
 
@@ -167,10 +168,10 @@ def test_a_job_id_the_server_never_issued_is_unknown_not_lost(scripted_stack: St
     now_ms = f"{int(time.time() * 1000):012x}"
     forged = JobIds(b"not the server's key").new(time.time())
     for job_id in (f"job_{now_ms}{'0' * 32}", f"job_{now_ms}{'0' * 48}", forged):
-        unknown = httpx.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
+        unknown = web.get(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10)
         assert unknown.status_code == 404, (job_id, unknown.text)
         assert unknown.json()["detail"]["error_type"] == "not_found_error"
-        assert httpx.delete(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10).status_code == 404
+        assert web.delete(f"{scripted_stack.url}/v1/jobs/{job_id}", timeout=10).status_code == 404
 
 
 def test_a_job_id_carries_its_creation_time_128_random_bits_and_its_servers_tag() -> None:
@@ -199,5 +200,5 @@ def test_invalid_submissions_get_the_same_4xx_before_anything_is_queued(scripted
 
 
 def test_jobs_routes_are_documented_in_the_openapi_schema(scripted_stack: Stack) -> None:
-    paths = httpx.get(scripted_stack.url + "/openapi.json").json()["paths"]
+    paths = web.get(scripted_stack.url + "/openapi.json").json()["paths"]
     assert {"post"} <= set(paths["/v1/jobs"]) and {"get", "delete"} <= set(paths["/v1/jobs/{job_id}"])

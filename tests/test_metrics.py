@@ -7,12 +7,12 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
 from harness.processes import start_api
 from harness.stacks import Stack
+from harness.web import web
 from tests.test_api_contract import NOUL, SCORE, body
 
 
@@ -30,7 +30,7 @@ def metrics_once(url: str, ready: Callable[[dict[tuple[str, tuple], float]], boo
     (every RESTING_HEARTBEAT_INTERVAL s at rest)."""
     deadline = time.monotonic() + timeout
     while True:
-        m = samples(httpx.get(url + "/metrics", timeout=30).text)
+        m = samples(web.get(url + "/metrics", timeout=30).text)
         if ready(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
@@ -40,7 +40,7 @@ def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: 
     for _ in range(2):
         assert scripted_stack.post(body({"a": NOUL, "b": SCORE})).status_code == 200
     assert scripted_stack.post({**body(), "model": "nope"}).status_code == 400
-    r = httpx.get(scripted_stack.url + "/metrics", timeout=30)
+    r = web.get(scripted_stack.url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = metrics_once(scripted_stack.url, lambda m: m.get(("openjev_worker_jobs_done", (("worker", "w0"),)), 0) >= 2)
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "200")))] >= 2
@@ -59,8 +59,8 @@ def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: 
 def test_metrics_need_the_key_when_one_is_set(scripted_stack: Stack) -> None:
     api = start_api(scripted_stack.log_dir, {**scripted_stack.env, "OPENJEV_API_KEY": "metrics-key"})
     try:
-        assert httpx.get(api.url + "/metrics").status_code == 403
-        ok = httpx.get(api.url + "/metrics", headers={"Authorization": "Bearer metrics-key"})
+        assert web.get(api.url + "/metrics").status_code == 403
+        ok = web.get(api.url + "/metrics", headers={"Authorization": "Bearer metrics-key"})
         assert ok.status_code == 200 and "openjev_live_workers" in ok.text
     finally:
         api.stop()

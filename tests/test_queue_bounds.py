@@ -20,6 +20,7 @@ import redis
 
 from common.queue import keys
 from harness.stacks import Stack, isolated_scripted_stack
+from harness.web import web
 from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, SCORE, body
 from tests.test_metrics import samples
@@ -58,13 +59,13 @@ def key_census(client: redis.Redis) -> dict[str, tuple[int, int]]:
 
 
 def submit(stack: Stack, state: str) -> str:
-    r = httpx.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=state), timeout=30)
+    r = web.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=state), timeout=30)
     assert r.status_code == 202, r.text
     return r.json()["id"]
 
 
 def wait_done(stack: Stack, job_id: str) -> dict:
-    return httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+    return web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
 
 
 @pytest.mark.timeout(900)
@@ -88,7 +89,7 @@ def test_two_thousand_deletes_of_finished_jobs_leave_the_abort_set_empty(stack: 
         while len(stack.engine_stats()["live"]) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         for job_id in live:
-            assert httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelled"
+            assert web.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelled"
         deadline = time.monotonic() + 10
         while client.zcard(keys.ARQ_ABORTS) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -113,7 +114,7 @@ def test_a_client_that_hangs_up_is_one_499_cancelled_in_logs_and_metrics(stack: 
     finally:
         stack.script(delay=0.0)
     assert [e["status"] for e in requests] == [499]
-    m = samples(httpx.get(stack.url + "/metrics", timeout=30).text)
+    m = samples(web.get(stack.url + "/metrics", timeout=30).text)
     assert m[("openjev_requests_total", (("route", "/v1/systemone"), ("status", "499")))] == 1
     assert m[("openjev_jobs_total", (("outcome", "cancelled"),))] >= 1
     assert ("openjev_requests_total", (("route", "/v1/systemone"), ("status", "504"))) not in m
@@ -140,7 +141,7 @@ def test_a_soak_keeps_redis_keys_and_memory_flat_and_every_key_bounded(stack: St
                 if lane == 0:  # async: submit, read, and now and then cancel
                     job_id = submit(stack, state)
                     if n % 3 == 0:
-                        httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30)
+                        web.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30)
                     wait_done(stack, job_id)
                 elif lane == 1 and n % 4 == 0:  # a caller that hangs up at once (or, rarely, is answered first)
                     try:

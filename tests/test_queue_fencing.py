@@ -12,7 +12,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 
@@ -21,6 +20,7 @@ from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
 from harness.processes import Proc, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, build_stack
+from harness.web import web
 from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
 from tests.test_logs import events
@@ -87,12 +87,12 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
     stack.script(slow_rid_infix=".1.", slow_delay=300.0)  # first placements (on w0) stall; moved ones do not
     notices = Notices(stack.redis_url)
     try:
-        ids = [httpx.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=f"state {i}"), timeout=30).json()["id"]
+        ids = [web.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state=f"state {i}"), timeout=30).json()["id"]
                for i in range(JOBS)]
         wait_until(lambda: all(f"{i}.1.warm" in stack.engine_stats()["live"] for i in ids), 30,
                  "every job's warm call live on w0")
         stack.workers.append(start_worker(stack.log_dir, stack.env, stack.engine.url, "w1"))
-        wait_until(lambda: len(httpx.get(stack.url + "/health", timeout=5).json()["workers"]) == 2, 60, "w1 live")
+        wait_until(lambda: len(web.get(stack.url + "/health", timeout=5).json()["workers"]) == 2, 60, "w1 live")
 
         paused = stack.workers[0].process
         paused.send_signal(signal.SIGSTOP)
@@ -102,7 +102,7 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
         assert LIVENESS_WINDOW - 2 * HEARTBEAT_INTERVAL < lease_left <= LIVENESS_WINDOW  # renewed by its busy beat
         try:
             for job_id in ids:
-                done = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+                done = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
                 assert done["status"] == "succeeded", done
             assert time.monotonic() - stopped_at > lease_left  # answered only once w0's lease had lapsed
             time.sleep(max(0.0, PAUSE - (time.monotonic() - stopped_at)))  # the pause itself: PAUSE s in all

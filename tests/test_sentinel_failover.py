@@ -28,6 +28,7 @@ from common.settings import Settings
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.sentinels import SentinelGroup, settings_for
 from harness.stacks import stack_env
+from harness.web import web
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration
@@ -130,10 +131,10 @@ class FailoverStack:
         self.url = self.api.url
 
     def script(self, **settings: Any) -> None:
-        httpx.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
+        web.post(f"{self.engine.url}/script", json=settings, timeout=5).raise_for_status()
 
     def submit(self, i: int) -> httpx.Response:
-        return httpx.post(self.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"), timeout=30)
+        return web.post(self.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"), timeout=30)
 
     def stop(self) -> None:
         for proc in (self.api, self.worker, self.engine):
@@ -165,7 +166,7 @@ def final_statuses(stack: FailoverStack, job_ids: list[str], timeout: float = 18
 
     def final(job_id: str) -> str:
         while time.monotonic() < deadline:
-            response = httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
+            response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
             if response.status_code == 503:
                 time.sleep(0.2)
                 continue
@@ -189,7 +190,7 @@ def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
     job_ids = [r.json()["id"] for r in responses]
     replica = sentinel_group.client(sentinel_group.replica_port)
     deadline = time.monotonic() + 30
-    while not httpx.get(f"{stack.engine.url}/stats", timeout=5).json()["live"]:
+    while not web.get(f"{stack.engine.url}/stats", timeout=5).json()["live"]:
         assert time.monotonic() < deadline, "no job reached the engine"
         time.sleep(0.05)
     assert all(replica.exists(keys.job_key(job_id)) for job_id in job_ids)

@@ -21,6 +21,7 @@ import pytest
 
 from harness.processes import ROOT, alive
 from harness.stacks import model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import free_port
 from tests.conftest import FIGURES
 from tests.test_serve_smoke import descendants, wait_for_url
@@ -124,7 +125,7 @@ def test_sigterm_with_a_request_in_flight_stops_within_10_s_and_the_try_line_nam
         sender = threading.Thread(target=lambda: answers.append(_post(url, headers)), daemon=True)
         sender.start()
         deadline = time.monotonic() + 60
-        while not any(w["running"] for w in httpx.get(f"{url}/v1/limits", headers=headers).json()["workers"]):
+        while not any(w["running"] for w in web.get(f"{url}/v1/limits", headers=headers).json()["workers"]):
             assert time.monotonic() < deadline, "the request never reached the worker"
             time.sleep(0.1)
 
@@ -142,5 +143,5 @@ def test_sigterm_with_a_request_in_flight_stops_within_10_s_and_the_try_line_nam
 
 def _post(url: str, headers: dict[str, str]) -> httpx.Response:
     body = (ROOT / "examples" / "request.json").read_bytes()
-    return httpx.post(f"{url}/v1/systemone", content=body, timeout=120,
+    return web.post(f"{url}/v1/systemone", content=body, timeout=120,
                       headers={**headers, "Content-Type": "application/json"})

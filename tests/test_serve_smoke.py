@@ -21,6 +21,7 @@ import pytest
 from harness.processes import ROOT, alive
 from harness.redis_servers import fresh_redis
 from harness.stacks import CPU_MODEL_NAME, model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import free_port
 
 SERVE_START_TIMEOUT = 600.0  # a first run converts the CPU model
@@ -153,7 +154,7 @@ def test_serve_with_sglang_answers_503_until_ready_then_passes_smoke(tmp_path: P
         release.touch()
         url = wait_for_url(serve, log)
         children = descendants(serve.pid)
-        health = httpx.get(f"{url}/health", timeout=10).json()
+        health = web.get(f"{url}/health", timeout=10).json()
         assert [w["id"] for w in health["workers"]] == ["replica-a-0"]  # unique per replica on a shared Redis
         smoke = subprocess.run(smoke_argv(url, tmp_path / "smoke.json"), capture_output=True, text=True, cwd=ROOT,
                                timeout=600)
@@ -172,7 +173,7 @@ def _wait_for_status(serve: subprocess.Popen[bytes], log: Path, url: str, status
         if serve.poll() is not None:
             pytest.fail(f"openjev serve exited with {serve.returncode}:\n{log.read_text()[-4000:]}")
         try:
-            response = httpx.get(url, timeout=5)
+            response = web.get(url, timeout=5)
             if response.status_code == status:
                 return response
         except httpx.HTTPError:

@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from harness.processes import spawn
+from harness.web import web
 from openjev.embedded_redis import free_port
 from worker import engine_client
 
@@ -90,7 +91,7 @@ def warm_request(input_ids: list[int], rid: str) -> dict[str, Any]:
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=60)
+    return web.post(f"{url}{path}", json=body, timeout=60)
 
 
 def test_the_worker_requests_decode_as_sglang_generate_requests(api_types: ModuleType) -> None:
@@ -152,7 +153,7 @@ def test_a_batch_answer_decodes_item_by_item(api_types: ModuleType, engine: str)
 
 
 async def test_an_aborted_answer_decodes_with_an_abort_finish_reason(api_types: ModuleType, engine: str) -> None:
-    received = httpx.get(f"{engine}/stats", timeout=10).json()["requests_received"]
+    received = web.get(f"{engine}/stats", timeout=10).json()["requests_received"]
     async with httpx.AsyncClient(base_url=engine, timeout=60) as client:
         call = asyncio.create_task(client.post("/generate", json=score_request(PROMPT, "doomed")))
         deadline = time.monotonic() + 30
@@ -180,7 +181,7 @@ def test_unknown_sampling_params_are_refused_by_both(api_types: ModuleType, engi
 
 
 def test_model_and_server_info_decode(api_types: ModuleType, engine: str) -> None:
-    model_info = api_types.GetModelInfoResponse.from_json_value(httpx.get(f"{engine}/model_info").json())
+    model_info = api_types.GetModelInfoResponse.from_json_value(web.get(f"{engine}/model_info").json())
     assert model_info.is_generation and model_info.served_model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    server_info = api_types.GetServerInfoResponse.from_json_value(httpx.get(f"{engine}/server_info").json())
+    server_info = api_types.GetServerInfoResponse.from_json_value(web.get(f"{engine}/server_info").json())
     assert server_info.max_context_length == 8192

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 import redis
@@ -31,6 +30,7 @@ from common.queue import keys
 from harness.processes import BackgroundSampler
 from harness.sglang_serve import REQUEST_TIMEOUT, SglangServe, sglang_python, start_sglang_serve, stop_sglang_serve
 from harness.stacks import CPU_MODEL_NAME, Stack
+from harness.web import web
 from tests.conftest import FIGURES
 from tests.test_integration import jevcompat
 from worker.engine_client import BranchPrompt, EngineClient, SharedPrefix
@@ -152,11 +152,11 @@ def test_a_cancelled_job_is_aborted_inside_sglang(sglang: SglangServe) -> None:
     assert submitted.status_code == 202, submitted.text
     job = f"{sglang.url}/v1/jobs/{submitted.json()['id']}"
     deadline = time.monotonic() + 120
-    while httpx.get(job, timeout=30).json()["status"] == "queued":
+    while web.get(job, timeout=30).json()["status"] == "queued":
         assert time.monotonic() < deadline, "the job never started"
         time.sleep(0.05)
-    assert httpx.delete(job, timeout=30).status_code == 200
-    assert httpx.get(job, params={"wait": 10}, timeout=30).json()["status"] == "cancelled"
+    assert web.delete(job, timeout=30).status_code == 200
+    assert web.get(job, params={"wait": 10}, timeout=30).json()["status"] == "cancelled"
     deadline = time.monotonic() + 30
     while sglang.sglang_metric(ABORTED) <= aborted_before:  # SGLang's own count of aborted requests
         assert time.monotonic() < deadline, "SGLang never saw an abort for the cancelled job"
@@ -252,13 +252,13 @@ def test_sglangs_own_systemone_and_openjev_answer_the_same_request(request: pyte
     /metrics deltas, one request at a time) go to the run's figures and bench/RESULTS-sglang.md. SGLang
     0.5.23's Rust frontend has no such route: there the test checks that it says so with a 404."""
     if sglang.frontend == "rust":
-        missing = httpx.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
+        missing = web.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
                              json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME})
         assert missing.status_code == 404, missing.text
         request.config.stash.setdefault(FIGURES, []).append(
             "SGLang rust: no /v1/systemone route on this frontend (404); the differential runs on python")
         return
-    routes = {"sglang": lambda: httpx.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
+    routes = {"sglang": lambda: web.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
                                            json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME}),
               "openjev": lambda: sglang.post(EXAMPLE_REQUEST)}
     answers: dict[str, dict[str, Any]] = {}
@@ -327,7 +327,7 @@ def test_a_job_in_flight_when_sglangs_scheduler_dies_succeeds_once_serve_is_rest
     # scheduler is killed (a job that ended first fails the attempts check below). 300 messages (5254 tokens)
     # made the rerun alone take a minute per frontend.
     state = " ".join(f"Message {i}: my order {i * 7919 % 10007} still has not arrived." for i in range(100))
-    submitted = httpx.post(sglang.url + "/v1/jobs", json=body(state), timeout=60)
+    submitted = web.post(sglang.url + "/v1/jobs", json=body(state), timeout=60)
     assert submitted.status_code == 202, submitted.text
     job_id = submitted.json()["id"]
     client = redis.Redis.from_url(sglang.redis_url)
@@ -346,7 +346,7 @@ def test_a_job_in_flight_when_sglangs_scheduler_dies_succeeds_once_serve_is_rest
     again = start_sglang_serve(sglang.frontend, sglang_python(), model_dir, log_dir, redis_dir=sglang.redis_dir)
     try:
         deadline = time.monotonic() + REQUEST_TIMEOUT
-        while (view := httpx.get(f"{again.url}/v1/jobs/{job_id}", params={"wait": 10},
+        while (view := web.get(f"{again.url}/v1/jobs/{job_id}", params={"wait": 10},
                                  timeout=30).json())["status"] in ("queued", "running"):
             assert time.monotonic() < deadline, "the job did not end after the restart"
     finally:

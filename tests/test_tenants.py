@@ -22,6 +22,7 @@ from common.tenants import KeysFileError, TenantDirectory, parse_keys_file
 from harness.processes import start_api, start_scripted_engine
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, build_stack
+from harness.web import web
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration
@@ -125,18 +126,18 @@ def _quiet_engine(request: pytest.FixtureRequest) -> None:
 
 def submit(stack: Stack, key: str, payload: dict | None = None, url: str | None = None, **headers: str) \
         -> httpx.Response:
-    return httpx.post((url or stack.url) + "/v1/jobs", json=payload or body(), headers={**auth(key), **headers},
+    return web.post((url or stack.url) + "/v1/jobs", json=payload or body(), headers={**auth(key), **headers},
                       timeout=30)
 
 
 def wait_for(stack: Stack, key: str, job_id: str) -> dict:
-    return httpx.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 20}, headers=auth(key), timeout=30).json()
+    return web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 20}, headers=auth(key), timeout=30).json()
 
 
 def test_another_tenants_job_is_not_found_for_reading_or_cancelling(tenant_stack: Stack) -> None:
     job = submit(tenant_stack, KEY_B).json()
     for method in ("GET", "DELETE"):
-        r = httpx.request(method, f"{tenant_stack.url}/v1/jobs/{job['id']}", headers=auth(KEY_A), timeout=30)
+        r = web.request(method, f"{tenant_stack.url}/v1/jobs/{job['id']}", headers=auth(KEY_A), timeout=30)
         assert r.status_code == 404, r.text
         assert r.json()["detail"]["error_type"] == "not_found_error"  # as if it did not exist
     assert wait_for(tenant_stack, KEY_B, job["id"])["status"] == "succeeded"  # its owner's, untouched
@@ -152,7 +153,7 @@ def test_the_same_idempotency_key_in_two_tenants_makes_two_jobs(tenant_stack: St
 
 
 def test_limits_show_a_tenant_its_own_limits_and_usage(tenant_stack: Stack) -> None:
-    got = httpx.get(tenant_stack.url + "/v1/limits", headers=auth(KEY_B), timeout=30).json()
+    got = web.get(tenant_stack.url + "/v1/limits", headers=auth(KEY_B), timeout=30).json()
     assert got["tenant"]["name"] == "beta"
     assert got["tenant"]["limits"] == {"requests_per_minute": None, "burst": None, "max_concurrent_jobs": None,
                                        "max_queued_jobs": None}
@@ -217,7 +218,7 @@ def test_a_sync_request_starts_before_a_queued_backlog(tenant_stack: Stack) -> N
     with ThreadPoolExecutor(4) as pool:
         backlog = list(pool.map(
             lambda n: submit(tenant_stack, KEY_B, body({"q": NOUL}, state=f"backlog {n}")).json()["id"], range(30)))
-    answer = httpx.post(tenant_stack.url + "/v1/systemone", json=body({"q": NOUL}, state="someone waits"),
+    answer = web.post(tenant_stack.url + "/v1/systemone", json=body({"q": NOUL}, state="someone waits"),
                         headers=auth(KEY_B), timeout=60)
     answered_at = time.time()
     assert answer.status_code == 200, answer.text
@@ -278,11 +279,11 @@ def test_metrics_show_the_backlog_waiting_to_start_and_only_to_an_operator(tenan
     tenant_stack.script(delay=1.0)
     jobs = [submit(tenant_stack, KEY_D, body({"q": NOUL}, state=f"backlog metric {n}")).json()["id"]
             for n in range(6)]
-    assert httpx.get(tenant_stack.url + "/metrics", headers=auth(KEY_D), timeout=30).status_code == 403
+    assert web.get(tenant_stack.url + "/metrics", headers=auth(KEY_D), timeout=30).status_code == 403
     deadline = time.monotonic() + 20
     seen = None
     while time.monotonic() < deadline:
-        text = httpx.get(tenant_stack.url + "/metrics", headers=auth(KEY_A), timeout=30).text
+        text = web.get(tenant_stack.url + "/metrics", headers=auth(KEY_A), timeout=30).text
         figures = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                    if line.startswith(("openjev_queue_waiting_jobs{", "openjev_queue_depth{", "openjev_fleet_"))}
         seen = figures

@@ -17,6 +17,7 @@ import redis
 from harness.processes import start_api, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, isolated_scripted_stack, stack_env
+from harness.web import web
 from tests.test_api_contract import NOUL, body
 
 SLOWEST_POLL = "5"  # OPENJEV_WORKER_POLL_DELAY's upper bound
@@ -78,13 +79,13 @@ def test_a_cancelled_job_stops_without_waiting_for_the_poll(slow_poll_stack: Sta
     slow_poll_stack.script(delay=30.0)  # every engine call stalls (abortably): there is work to stop
     try:
         before = slow_poll_stack.engine_stats()
-        job = httpx.post(slow_poll_stack.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30).json()
+        job = web.post(slow_poll_stack.url + "/v1/jobs", json=body({"q": NOUL}), timeout=30).json()
         deadline = time.monotonic() + 20
         while slow_poll_stack.engine_stats()["requests_received"] == before["requests_received"]:
             assert time.monotonic() < deadline, "the job never reached the engine"
             time.sleep(0.05)
         cancelled_at = time.monotonic()
-        r = httpx.delete(f"{slow_poll_stack.url}/v1/jobs/{job['id']}", timeout=30)
+        r = web.delete(f"{slow_poll_stack.url}/v1/jobs/{job['id']}", timeout=30)
         assert r.json()["status"] == "cancelled"
         while slow_poll_stack.engine_stats()["aborts_received"] == before["aborts_received"]:
             assert time.monotonic() < cancelled_at + 10, "no abort reached the engine"
