@@ -101,7 +101,7 @@ def test_compressed_bodies_are_decompressed(scripted_stack: Stack, encoding: str
     raw = orjson.dumps(body(state="charged twice " * 200))
     data = zstandard.ZstdCompressor().compress(raw) if encoding == "zstd" else gzip.compress(raw)
     r = web.post(scripted_stack.url + "/v1/systemone", content=data, timeout=60,
-                   headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+                 headers={"Content-Type": "application/json", "Content-Encoding": encoding})
     assert r.status_code == 200, r.text
     assert set(r.json()["answers"]) == {"q"}
 
@@ -109,13 +109,13 @@ def test_compressed_bodies_are_decompressed(scripted_stack: Stack, encoding: str
 def test_body_over_the_limit_is_413_even_when_compressed_small(scripted_stack: Stack) -> None:
     big = orjson.dumps(body(state="x" * (3 * 1024 * 1024)))
     r = web.post(scripted_stack.url + "/v1/systemone", content=big, timeout=60,
-                   headers={"Content-Type": "application/json"})
+                 headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert r.json()["detail"]["error_type"] == "request_too_large"
     packed = zstandard.ZstdCompressor().compress(big)
     assert len(packed) < 100_000
     r = web.post(scripted_stack.url + "/v1/systemone", content=packed, timeout=60,
-                   headers={"Content-Type": "application/json", "Content-Encoding": "zstd"})
+                 headers={"Content-Type": "application/json", "Content-Encoding": "zstd"})
     assert r.status_code == 413
     assert r.headers["x-typesafe-request-id"].startswith("req_")
 
@@ -176,7 +176,7 @@ def test_invalid_requests_get_a_documented_4xx_before_any_engine_call(scripted_s
 
 def test_malformed_json_is_422_not_5xx(scripted_stack: Stack) -> None:
     r = web.post(scripted_stack.url + "/v1/systemone", content=b'{"model": "jev-latest", "state": "x", "q',
-                   headers={"Content-Type": "application/json"}, timeout=30)
+                 headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 422
     assert r.headers["x-typesafe-request-id"].startswith("req_")
 

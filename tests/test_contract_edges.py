@@ -25,7 +25,7 @@ def body(questions: dict | None = None, **fields) -> dict:
 
 def post_raw(stack: Stack, raw: bytes, path: str = "/v1/systemone", **headers: str) -> httpx.Response:
     return web.post(stack.url + path, content=raw, timeout=60,
-                      headers={"Content-Type": "application/json", **headers})
+                    headers={"Content-Type": "application/json", **headers})
 
 
 def assert_refused(r: httpx.Response, status: int, *words: str) -> None:

@@ -79,7 +79,7 @@ def durable(tmp_path: Path, log_dir: Path, model_dir: Path) -> Iterator[DurableS
 def submit_all(stack: DurableStack, count: int) -> list[str]:
     def submit(i: int) -> str:
         response = web.post(stack.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
-                              timeout=30)
+                            timeout=30)
         assert response.status_code == 202, response.text
         return response.json()["id"]
 
@@ -169,7 +169,7 @@ def test_an_async_jobs_202_comes_once_its_job_is_in_the_append_only_file(
     try:
         for i in range(60):
             response = web.post(durable.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}: refund?"),
-                                  timeout=30)
+                                timeout=30)
             assert response.status_code == 202, response.text
             job_id = response.json()["id"]
             assert in_file(durable.redis.data_dir, keys.job_key(job_id).encode()), f"202 for job {i} before its write"

@@ -451,7 +451,7 @@ def test_under_serve_a_worker_killed_mid_request_is_restarted_and_the_request_an
     engine_url = f"http://127.0.0.1:{port_of(child(served.process, 'engine')[1])}"
     before = engine_stats(engine_url)
     pool, call = in_background(lambda: web.post(served.url + "/v1/systemone", json=body("Serve loses a worker."),
-                                                  timeout=60))
+                                                timeout=60))
     wait_in_flight(engine_url, before)
     os.kill(worker_pid, signal.SIGKILL)
     response = call.result(timeout=75)
@@ -511,7 +511,7 @@ def test_under_serve_jobs_whose_engine_died_run_once_serve_is_restarted_on_the_s
         for job_id in jobs:
             deadline = time.monotonic() + 300
             while (view := web.get(f"{second.url}/v1/jobs/{job_id}", params={"wait": 10},
-                                     timeout=20).json())["status"] in ("queued", "running"):
+                                   timeout=20).json())["status"] in ("queued", "running"):
                 assert time.monotonic() < deadline, f"job {job_id} still pending"
             views.append(view)
     finally:

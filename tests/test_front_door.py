@@ -204,7 +204,7 @@ def test_a_declared_body_over_the_limit_is_413_before_it_is_read(door: Proc) -> 
 
 def test_a_client_sending_a_body_over_the_limit_reads_its_413(door: Proc) -> None:
     r = web.post(door.url + "/v1/systemone", content=b"x" * (8 * 1024 * 1024), timeout=30,
-                   headers={"Content-Type": "application/json"})
+                 headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert r.json()["detail"]["error_type"] == "request_too_large"
     assert web.get(door.url + "/health/live", timeout=10).status_code == 200
@@ -294,7 +294,7 @@ def test_the_key_is_checked_before_the_body_is_read(keyed: Proc, headers: dict, 
                            (gzip.compress(REQUEST)[:-5], {"Content-Encoding": "gzip"}),
                            (REQUEST, {"Content-Encoding": "brotli"})]:
         r = web.post(url, content=content, timeout=30,
-                       headers={"Content-Type": "application/json", **headers, **extra})
+                     headers={"Content-Type": "application/json", **headers, **extra})
         assert r.status_code == status, (r.status_code, r.text)
         assert r.json()["detail"]["error_type"] == "authentication_error"
 

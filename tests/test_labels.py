@@ -26,6 +26,7 @@ from common.tokenizer import (
     qwen36_tokenizer,
     smollm2_tokenizer,
 )
+from harness.processes import ROOT
 
 TOKENIZERS = {"qwen36": qwen36_tokenizer, "smollm2": smollm2_tokenizer}
 
@@ -162,7 +163,7 @@ def test_the_converted_smollm2_tokenizer_loads_as_autotokenizer_loads_it_and_the
     script = ("import sys\nfrom api.app import build_preparer\nfrom common.settings import Settings\n"
               "build_preparer(Settings(tokenizer=sys.argv[1]))\nprint('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
+                          cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
 

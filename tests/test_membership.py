@@ -33,7 +33,6 @@ def info(worker_id: str, **fields: object) -> WorkerInfo:
                       started_at=time.time(), **fields)
 
 
-
 async def test_a_worker_that_stops_heartbeating_leaves_the_routing_set_after_the_liveness_window(redis: Redis) -> None:
     await heartbeat(redis, info("w1"))
     beat = await redis.zscore(keys.WORKERS, "w1")

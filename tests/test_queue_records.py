@@ -104,7 +104,6 @@ async def test_a_sync_job_is_removed_when_collected_or_cancelled(redis: Redis, s
     assert await store.store("job_t.1", DONE, time.monotonic() + 5) is False
 
 
-
 async def test_an_overdue_ending_waits_for_the_deadline_by_redis_time(redis: Redis, store: JobStore) -> None:
     await join(redis, "w1")
     await submit(redis, "job_o", seconds=1.0)

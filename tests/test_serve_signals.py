@@ -144,4 +144,4 @@ def test_sigterm_with_a_request_in_flight_stops_within_10_s_and_the_try_line_nam
 def _post(url: str, headers: dict[str, str]) -> httpx.Response:
     body = (ROOT / "examples" / "request.json").read_bytes()
     return web.post(f"{url}/v1/systemone", content=body, timeout=120,
-                      headers={**headers, "Content-Type": "application/json"})
+                    headers={**headers, "Content-Type": "application/json"})

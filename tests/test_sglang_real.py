@@ -253,13 +253,13 @@ def test_sglangs_own_systemone_and_openjev_answer_the_same_request(request: pyte
     0.5.23's Rust frontend has no such route: there the test checks that it says so with a 404."""
     if sglang.frontend == "rust":
         missing = web.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
-                             json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME})
+                           json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME})
         assert missing.status_code == 404, missing.text
         request.config.stash.setdefault(FIGURES, []).append(
             "SGLang rust: no /v1/systemone route on this frontend (404); the differential runs on python")
         return
     routes = {"sglang": lambda: web.post(sglang.engine_url + "/v1/systemone", timeout=REQUEST_TIMEOUT,
-                                           json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME}),
+                                         json={**EXAMPLE_REQUEST, "model": CPU_MODEL_NAME}),
               "openjev": lambda: sglang.post(EXAMPLE_REQUEST)}
     answers: dict[str, dict[str, Any]] = {}
     work: dict[str, dict[str, float]] = {}
@@ -347,7 +347,7 @@ def test_a_job_in_flight_when_sglangs_scheduler_dies_succeeds_once_serve_is_rest
     try:
         deadline = time.monotonic() + REQUEST_TIMEOUT
         while (view := web.get(f"{again.url}/v1/jobs/{job_id}", params={"wait": 10},
-                                 timeout=30).json())["status"] in ("queued", "running"):
+                               timeout=30).json())["status"] in ("queued", "running"):
             assert time.monotonic() < deadline, "the job did not end after the restart"
     finally:
         assert stop_sglang_serve(again) == []

@@ -179,4 +179,3 @@ async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: 
     backlog = (await reader.read([QUEUE]))[QUEUE]
     assert await redis.zcard(QUEUE) == 5  # arq's queue still holds the running and the cancelled ones
     assert backlog.waiting == 2 and 0 <= backlog.oldest_seconds < 5  # job_2 and job_3
-

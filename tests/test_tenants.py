@@ -127,7 +127,7 @@ def _quiet_engine(request: pytest.FixtureRequest) -> None:
 def submit(stack: Stack, key: str, payload: dict | None = None, url: str | None = None, **headers: str) \
         -> httpx.Response:
     return web.post((url or stack.url) + "/v1/jobs", json=payload or body(), headers={**auth(key), **headers},
-                      timeout=30)
+                    timeout=30)
 
 
 def wait_for(stack: Stack, key: str, job_id: str) -> dict:
@@ -219,7 +219,7 @@ def test_a_sync_request_starts_before_a_queued_backlog(tenant_stack: Stack) -> N
         backlog = list(pool.map(
             lambda n: submit(tenant_stack, KEY_B, body({"q": NOUL}, state=f"backlog {n}")).json()["id"], range(30)))
     answer = web.post(tenant_stack.url + "/v1/systemone", json=body({"q": NOUL}, state="someone waits"),
-                        headers=auth(KEY_B), timeout=60)
+                      headers=auth(KEY_B), timeout=60)
     answered_at = time.time()
     assert answer.status_code == 200, answer.text
     ended = [wait_for(tenant_stack, KEY_B, job_id)["status"] for job_id in backlog]
