@@ -20,20 +20,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from harness.processes import ROOT, start_scripted_engine, start_worker
+from bench.cpu_cost import git_worktree
+from harness.processes import ROOT, Proc, start_scripted_engine, start_worker, wait_http
+from harness.procfs import cpu_seconds
 from harness.redis_servers import start_redis
 from harness.stacks import model_cache_dir, stack_env
 from openjev.embedded_redis import free_port
 from worker.cpu_engine.model import ensure_converted
 
-TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -45,39 +42,21 @@ class Start:
     torch: bool
 
 
-@contextmanager
-def worktree(revision: str) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="openjev-api-start-")) / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision], check=True,
-                   capture_output=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
-
-
-def start_api(code: Path, env: dict[str, str]) -> Start:
+def start_api(code: Path, env: dict[str, str], log_dir: Path) -> Start:
+    """One start of the API from the code in `code`, measured once its /health first answers 200, then stopped."""
     port = free_port()
+    log = log_dir / f"api-{time.monotonic_ns()}.log"
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "openjev", "api", "--port", str(port)], cwd=code,
-                               env={**os.environ, **env, "PYTHONPATH": str(code)},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("wb") as output:
+        process = subprocess.Popen([sys.executable, "-m", "openjev", "api", "--port", str(port)], cwd=code,
+                                   env={**os.environ, **env, "PYTHONPATH": str(code)},
+                                   stdout=output, stderr=subprocess.STDOUT)
     try:
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the API from {code} exited with {process.returncode}")
-                try:
-                    if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
+        wait_http(Proc("api", process, log), f"http://127.0.0.1:{port}/health", timeout=180)
         wall = time.perf_counter() - started
-        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         rss = int(Path(f"/proc/{process.pid}/statm").read_text().split()[1]) * PAGE / 2**20
         torch = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
-        return Start((int(fields[11]) + int(fields[12])) / TICK, wall, rss, torch)
+        return Start(cpu_seconds(process.pid), wall, rss, torch)
     finally:
         process.terminate()
         process.wait(30)
@@ -91,15 +70,16 @@ def main() -> None:
     model_dir = ensure_converted(model_cache_dir())
     redis, redis_url = start_redis()
     env = stack_env(redis_url, model_dir)
-    engine = start_scripted_engine(Path(tempfile.mkdtemp(prefix="openjev-api-start-logs-")))
-    worker = start_worker(Path(engine.log).parent, env, engine.url or "", "w0")
+    log_dir = Path(tempfile.mkdtemp(prefix="openjev-api-start-logs-"))
+    engine = start_scripted_engine(log_dir)
+    worker = start_worker(log_dir, env, engine.url or "", "w0")
     starts: dict[str, list[Start]] = {"baseline": [], "this checkout": []}
     try:
-        with worktree(args.baseline) as baseline:
+        with git_worktree(args.baseline) as baseline:
             trees = {"baseline": baseline, "this checkout": ROOT}
             for round_ in range(args.rounds):
                 for name in (list(trees) if round_ % 2 == 0 else list(reversed(trees))):
-                    starts[name].append(start_api(trees[name], env))
+                    starts[name].append(start_api(trees[name], env, log_dir))
     finally:
         worker.stop()
         engine.stop()

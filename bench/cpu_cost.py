@@ -156,19 +156,26 @@ def running_stack(stack: Stack, model_dir: Path, log_dir: Path) -> Iterator[Stac
 
 
 @contextmanager
-def baseline_checkout(revision: str) -> Iterator[Path]:
-    """A temporary worktree of `revision` with its own environment, synced from its own pyproject.toml (so
-    it has exactly the dependencies that revision declared: no `sniffio` for today's path); removed
-    afterwards. The API and worker need no torch; the scripted engine runs from this checkout."""
+def git_worktree(revision: str) -> Iterator[Path]:
+    """A temporary `git worktree` of `revision`, removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="openjev-baseline-")) / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision], check=True,
                    capture_output=True)
     try:
-        subprocess.run(["uv", "sync", "--project", str(path), "--no-dev", "--quiet"], check=True,
-                       env={**os.environ, "UV_PROJECT_ENVIRONMENT": str(path / ".venv")})
         yield path
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
+
+
+@contextmanager
+def baseline_checkout(revision: str) -> Iterator[Path]:
+    """A temporary worktree of `revision` with its own environment, synced from its own pyproject.toml (so
+    it has exactly the dependencies that revision declared: no `sniffio` for today's path); removed
+    afterwards. The API and worker need no torch; the scripted engine runs from this checkout."""
+    with git_worktree(revision) as path:
+        subprocess.run(["uv", "sync", "--project", str(path), "--no-dev", "--quiet"], check=True,
+                       env={**os.environ, "UV_PROJECT_ENVIRONMENT": str(path / ".venv")})
+        yield path
 
 
 async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
