@@ -62,11 +62,19 @@ def test_the_pinned_hash_is_the_one_of_the_installed_qwen_chunks() -> None:
     assert digest.hexdigest() == entry.sha256
 
 
-def test_a_gguf_without_a_chat_template_is_refused(tmp_path: Path) -> None:
-    bare = tmp_path / "NoTemplate.gguf"
-    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(bundled_gguf_path()), str(bare),
-                    "--remove-metadata", "tokenizer.chat_template", "--force"], check=True, capture_output=True,
-                   timeout=300)
+@pytest.mark.parametrize("template", [None, "  "], ids=["absent", "blank"])
+def test_a_gguf_without_a_chat_template_is_refused_from_its_metadata(tmp_path: Path, template: str | None) -> None:
+    import gguf
+
+    bare = tmp_path / "NoTemplate.gguf"  # metadata and no tensors: the refusal reads nothing more
+    writer = gguf.GGUFWriter(bare, "llama")
+    writer.add_tokenizer_model("gpt2")
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     with pytest.raises(ModelUnavailable, match="no chat template"):
         ensure_converted(tmp_path / "models", bare)
     assert list((tmp_path / "models").iterdir()) == []

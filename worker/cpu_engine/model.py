@@ -215,16 +215,18 @@ def ensure_converted(cache_dir: Path, gguf_path: Path | None = None) -> Path:
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
-    from gguf import GGUFReader
+    import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:
+    reader = gguf.GGUFReader(gguf_path)  # memory-mapped: tensors are read one at a time
+    template = reader.fields.get(gguf.Keys.Tokenizer.CHAT_TEMPLATE)  # "tokenizer.chat_template"
+    if template is None or not str(template.contents()).strip():
         # Any template we wrote in would be a guess: prompts would not be the ones the model was tuned on.
+        # Refused from the file's metadata, before transformers reads its vocabulary (twice as long again).
         raise ModelUnavailable(f"{gguf_path.name} has no chat template (tokenizer.chat_template); "
                                "use a GGUF that carries its model's template")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    reader = GGUFReader(gguf_path)  # memory-mapped: tensors are read one at a time
     architecture = str(reader.fields["general.architecture"].contents())
     if architecture in STREAMED_ARCHITECTURES:
         _write_streamed(reader, architecture, config, out_dir)
