@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from common.queue import keys
 from harness.processes import Proc, openjev, spawn, start_scripted_engine, start_worker, wait_http
 from harness.stacks import model_cache_dir, stack_env
+from harness.web import web
 from openjev.embedded_redis import free_port, start_redis
 
 REQUEST_TIMEOUT = 20.0  # the sync deadline: long enough to outlast a worker restart (lease ≤ 5 s)
@@ -209,7 +210,7 @@ def start_engine(kind: str, index: int, log_dir: Path) -> Proc:
     """A CPU engine (the real model, no compute delay) or a scripted one stalling each prompt."""
     if kind == "scripted":
         engine = start_scripted_engine(log_dir)
-        httpx.post(f"{engine.url}/script", json={"delay": SCRIPTED_DELAY}, timeout=5).raise_for_status()
+        web.post(f"{engine.url}/script", json={"delay": SCRIPTED_DELAY}, timeout=5).raise_for_status()
         return engine
     port = free_port()
     engine = spawn(f"chaos-engine-{index}", openjev("engine", "--port", str(port), "--cache-dir",

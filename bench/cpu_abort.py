@@ -16,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 from transformers import AutoTokenizer
 
 from harness.processes import start_cpu_engine
 from harness.stacks import model_cache_dir
+from harness.web import web
 from worker.cpu_engine.model import ensure_converted
 
 
@@ -31,25 +31,25 @@ def long_prompt(tokens: int) -> list[int]:
 
 
 def counter(url: str, name: str) -> int:
-    return httpx.get(f"{url}/stats", timeout=10).json()[name]
+    return web.get(f"{url}/stats", timeout=10).json()[name]
 
 
 def one_run(url: str, ids: list[int], run: int) -> str:
     chunks, stopped = counter(url, "prefill_chunks"), counter(url, "computes_stopped")
     body = {"input_ids": ids, "rid": f"long-{run}", "sampling_params": {"max_new_tokens": 0},
             "extra_key": f"cold-{run}"}
-    call = threading.Thread(target=lambda: httpx.post(f"{url}/generate", json=body, timeout=600))
+    call = threading.Thread(target=lambda: web.post(f"{url}/generate", json=body, timeout=600))
     call.start()
     while counter(url, "prefill_chunks") == chunks:  # until its prefill is under way
         time.sleep(0.02)
     aborted = time.monotonic()
-    httpx.post(f"{url}/abort_request", json={"rid": f"long-{run}"}, timeout=10)
+    web.post(f"{url}/abort_request", json={"rid": f"long-{run}"}, timeout=10)
     while counter(url, "computes_stopped") == stopped:
         time.sleep(0.01)
     freed = time.monotonic() - aborted
     started = time.monotonic()
-    httpx.post(f"{url}/generate", json={"input_ids": ids[:40], "rid": f"small-{run}",
-                                        "sampling_params": {"max_new_tokens": 0}}, timeout=600)
+    web.post(f"{url}/generate", json={"input_ids": ids[:40], "rid": f"small-{run}",
+                                      "sampling_params": {"max_new_tokens": 0}}, timeout=600)
     call.join()
     return (f"run {run}: engine free {freed:.3f} s after the abort; a 40-token call then took "
             f"{time.monotonic() - started:.3f} s")

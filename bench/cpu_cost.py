@@ -42,6 +42,7 @@ from bench.awake import awake_cores
 from common.contract import EXAMPLE_REQUEST
 from harness.procfs import cpu_seconds, run_seconds, wakeups
 from harness.stacks import model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import SERVE_HZ, free_port, start_redis
 from worker.engine_http import EngineHttp
 
@@ -106,7 +107,7 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 180)
         if process.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {process.returncode}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if web.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -209,7 +210,7 @@ async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
 
 
 def engine_calls(stack: Stack) -> int:
-    return httpx.get(f"{stack.engine_url}/stats", timeout=30).json()["generate_calls"]
+    return web.get(f"{stack.engine_url}/stats", timeout=30).json()["generate_calls"]
 
 
 def redis_counts(stack: Stack) -> tuple[dict[str, int], int]:

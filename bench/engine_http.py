@@ -25,6 +25,7 @@ import httpx
 import orjson
 import uvloop
 
+from harness.web import web
 from openjev.embedded_redis import free_port
 from worker.engine_http import EngineHttp
 
@@ -133,7 +134,7 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while True:
             try:
-                httpx.get(base + "/health", timeout=1).raise_for_status()
+                web.get(base + "/health", timeout=1).raise_for_status()
                 break
             except httpx.HTTPError:
                 if time.monotonic() > deadline:

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from arq.connections import ArqRedis
 
 from api.preparation import JobPreparer
@@ -42,6 +41,7 @@ from common.settings import RoutingPolicy, Settings
 from common.tokenizer import load_tokenizer
 from harness.processes import Proc, start_cpu_engine, start_scripted_engine, start_worker
 from harness.stacks import model_cache_dir, stack_env
+from harness.web import web
 from openjev.embedded_redis import start_redis
 
 TEAMS = {"Billing": "Payments, invoices, refunds", "Technical": "Bugs, outages, integrations",
@@ -132,7 +132,7 @@ async def published_counters(redis: ArqRedis) -> dict[str, WorkerCounters]:
 
 
 def engine_totals(engines: list[Proc]) -> tuple[int, int]:
-    stats = [httpx.get(f"{e.url}/stats", timeout=10).json() for e in engines]
+    stats = [web.get(f"{e.url}/stats", timeout=10).json() for e in engines]
     return sum(s["prompt_tokens"] for s in stats), sum(s["cached_tokens"] for s in stats)
 
 
@@ -254,7 +254,7 @@ def start_engines(kind: str, count: int, log_dir: Path, scripted_delay: float) -
     if kind == "scripted":
         engines = [start_scripted_engine(log_dir) for _ in range(count)]
         for engine in engines:  # every call takes this long, so queues form under concurrency
-            httpx.post(f"{engine.url}/script", json={"delay": scripted_delay}, timeout=5).raise_for_status()
+            web.post(f"{engine.url}/script", json={"delay": scripted_delay}, timeout=5).raise_for_status()
         return engines
     with ThreadPoolExecutor(count) as pool:
         return list(pool.map(lambda _: start_cpu_engine(log_dir, model_cache_dir()), range(count)))

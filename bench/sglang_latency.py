@@ -27,6 +27,7 @@ import httpx
 from common.contract import EXAMPLE_REQUEST
 from harness.sglang_serve import start_sglang_serve, stop_sglang_serve
 from harness.stacks import CPU_MODEL_NAME, model_cache_dir
+from harness.web import web
 from openjev.embedded_redis import free_port
 from worker.cpu_engine.model import ensure_converted
 
@@ -46,7 +47,7 @@ def start_cpu_serve(log: Path) -> tuple[subprocess.Popen[bytes], str, float]:
         if process.poll() is not None:
             raise SystemExit(f"CPU serve exited:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if web.get(url + "/health", timeout=2).status_code == 200:
                 return process, url, time.monotonic() - started
         except httpx.HTTPError:
             pass
