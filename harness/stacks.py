@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,3 +89,26 @@ def isolated_scripted_stack(model_dir: Path, log_dir: Path, **overrides: str) ->
             yield stack
         finally:
             stack.stop()
+
+
+def final_statuses(api_url: str, job_ids: list[str], timeout: float = 180.0) -> list[str]:
+    """Each async job's final status, in order (GET ?wait= until it ends), or what stopped the wait: an
+    error's status and type, or "still pending" at `timeout`. A 503 (Redis restarting or failing over)
+    must carry Retry-After, and is asked again."""
+    deadline = time.monotonic() + timeout
+
+    def final(job_id: str) -> str:
+        while time.monotonic() < deadline:
+            response = web.get(f"{api_url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
+            if response.status_code == 503:
+                assert int(response.headers["retry-after"]) >= 1
+                time.sleep(0.2)
+                continue
+            if response.status_code != 200:
+                return f"{response.status_code} {response.json()['detail']['error_type']}"
+            if response.json()["status"] not in ("queued", "running"):
+                return response.json()["status"]
+        return "still pending"
+
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(final, job_ids))

@@ -216,24 +216,31 @@ PARITY_CASES = {
 }
 
 
-@pytest.mark.parametrize("shell", PARITY_CASES.values(), ids=PARITY_CASES.keys())
-def test_sglang_command_in_compose_is_the_launchers(shell: dict[str, str], tmp_path: Path) -> None:
-    sglang = services()["sglang-0"]
+def assert_runs_the_launchers_command(script: str, env: dict[str, str], extra_args: str, host: str,
+                                      tmp_path: Path) -> None:
+    """`script`, run by sh in `env` with a python3 that prints its arguments, starts SGLang as
+    worker/sglang_launcher.py does for the same settings: the same arguments and the same frontend."""
     fake = tmp_path / "python3"
     fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\necho "SGLANG_RUST_SERVER=${SGLANG_RUST_SERVER:-unset}"\n')
     fake.chmod(0o755)
-    script = interpolate(sglang["entrypoint"][2], shell)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", **container_env(sglang, shell)}
+    env = {**env, "PATH": f"{tmp_path}:/usr/bin:/bin"}
     printed = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=10,
                              check=True).stdout.splitlines()
 
     settings = Settings(_env_file=None, **{  # type: ignore[call-arg]
         name.removeprefix("OPENJEV_").lower(): value for name, value in env.items() if name.startswith("OPENJEV_")})
-    argv, launcher_env = sglang_command(settings, python="python3", host="0.0.0.0", port=30000,
-                                        extra_args=shlex.split(shell.get("SGLANG_EXTRA_ARGS", "")), base_env={})
+    argv, launcher_env = sglang_command(settings, python="python3", host=host, port=30000,
+                                        extra_args=shlex.split(extra_args), base_env={})
     assert printed[:-1] == argv[1:]
     assert printed[-1] == f"SGLANG_RUST_SERVER={launcher_env.get('SGLANG_RUST_SERVER', 'unset')}"
     assert (settings.frontend is Frontend.rust) == (printed[-1] == "SGLANG_RUST_SERVER=1")
+
+
+@pytest.mark.parametrize("shell", PARITY_CASES.values(), ids=PARITY_CASES.keys())
+def test_sglang_command_in_compose_is_the_launchers(shell: dict[str, str], tmp_path: Path) -> None:
+    sglang = services()["sglang-0"]
+    assert_runs_the_launchers_command(interpolate(sglang["entrypoint"][2], shell), container_env(sglang, shell),
+                                      shell.get("SGLANG_EXTRA_ARGS", ""), "0.0.0.0", tmp_path)
 
 
 def test_the_cpu_profile_is_the_same_layout_on_the_reference_engine() -> None:

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,7 @@ from api.queue_client import AppendOnlyFile
 from common.queue import keys
 from harness.aof import in_file, start_stress
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
-from harness.stacks import CPU_MODEL_NAME, stack_env
+from harness.stacks import CPU_MODEL_NAME, final_statuses, stack_env
 from harness.web import web
 from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
 from tests.test_api_contract import NOUL, body
@@ -108,24 +109,7 @@ def statuses(stack: DurableStack, job_ids: list[str]) -> dict[str, int]:
 
 def outcomes(stack: DurableStack, job_ids: list[str], timeout: float = 180.0) -> dict[str, int]:
     """Each job's final status (GET ?wait= until it ends), counted; 503s while Redis returns are retried."""
-    deadline = time.monotonic() + timeout
-
-    def final(job_id: str) -> str:
-        while time.monotonic() < deadline:
-            response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
-            if response.status_code == 503:
-                assert int(response.headers["retry-after"]) >= 1
-                time.sleep(0.5)
-                continue
-            if response.status_code != 200:
-                return f"{response.status_code} {response.json()['detail']['error_type']}"
-            if response.json()["status"] not in ("queued", "running"):
-                return response.json()["status"]
-        return "still pending"
-
-    with ThreadPoolExecutor(16) as pool:
-        ends = list(pool.map(final, job_ids))
-    return {end: ends.count(end) for end in set(ends)}
+    return Counter(final_statuses(stack.url, job_ids, timeout))
 
 
 def assert_gap_answers_503_fast(stack: DurableStack) -> None:

@@ -5,7 +5,6 @@ secrets come from, and that SGLang runs with the launcher's flags."""
 from __future__ import annotations
 
 import re
-import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -17,9 +16,9 @@ import pytest
 import yaml
 from kubernetes_validate.utils import validate
 
-from common.settings import Frontend, Settings
+from common.settings import Settings
 from harness.processes import ROOT
-from worker.sglang_launcher import sglang_command
+from tests.test_compose import PARITY_CASES, assert_runs_the_launchers_command
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 LAYOUTS = ("base", "sentinel")
@@ -202,33 +201,13 @@ def test_the_configuration_is_valid_settings(layout: str) -> None:
         assert settings.redis_sentinels == []
 
 
-PARITY_CASES = {
-    "defaults": {},
-    "everything set": {"OPENJEV_MODEL": "org/other-model", "OPENJEV_SERVED_MODEL_NAME": "Other Model",
-                       "OPENJEV_REVISION": "0123abcd", "OPENJEV_MAX_INPUT_TOKENS": "16384",
-                       "OPENJEV_FRONTEND": "python", "OPENJEV_BACKEND_API_KEY": "s3 cret",
-                       "SGLANG_EXTRA_ARGS": "--mem-fraction-static 0.8 --cuda-graph-max-bs-decode=32"},
-}
-
-
 @pytest.mark.parametrize("overrides", PARITY_CASES.values(), ids=PARITY_CASES.keys())
 def test_sglang_command_is_the_launchers(overrides: dict[str, str], tmp_path: Path) -> None:
     sglang = container("base", "openjev-gpu", "sglang")
     assert sglang["command"][:2] == ["/bin/sh", "-c"]
-    fake = tmp_path / "python3"
-    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\necho "SGLANG_RUST_SERVER=${SGLANG_RUST_SERVER:-unset}"\n')
-    fake.chmod(0o755)
-    env = {**config("base"), **env_values(sglang), **overrides, "PATH": f"{tmp_path}:/usr/bin:/bin"}
-    printed = subprocess.run(["/bin/sh", "-c", sglang["command"][2]], env=env, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.splitlines()
-
-    settings = Settings(_env_file=None, **{  # type: ignore[call-arg]
-        name.removeprefix("OPENJEV_").lower(): value for name, value in env.items() if name.startswith("OPENJEV_")})
-    argv, launcher_env = sglang_command(settings, python="python3", host="127.0.0.1", port=30000,
-                                        extra_args=shlex.split(env.get("SGLANG_EXTRA_ARGS", "")), base_env={})
-    assert printed[:-1] == argv[1:]
-    assert printed[-1] == f"SGLANG_RUST_SERVER={launcher_env.get('SGLANG_RUST_SERVER', 'unset')}"
-    assert (settings.frontend is Frontend.rust) == (printed[-1] == "SGLANG_RUST_SERVER=1")
+    env = {**config("base"), **env_values(sglang), **overrides}
+    assert_runs_the_launchers_command(sglang["command"][2], env, env.get("SGLANG_EXTRA_ARGS", ""), "127.0.0.1",
+                                      tmp_path)
 
 
 def test_each_gpu_pod_holds_one_gpu_its_sglang_and_its_worker() -> None:

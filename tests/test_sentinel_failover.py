@@ -27,7 +27,7 @@ from common.redis_connection import redis_connection
 from common.settings import Settings
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.sentinels import SentinelGroup, settings_for
-from harness.stacks import stack_env
+from harness.stacks import final_statuses, stack_env
 from harness.web import web
 from tests.test_api_contract import NOUL, body
 
@@ -161,25 +161,6 @@ def stored_outcomes(worker: Proc) -> Counter[str]:
     return stored
 
 
-def final_statuses(stack: FailoverStack, job_ids: list[str], timeout: float = 180.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-
-    def final(job_id: str) -> str:
-        while time.monotonic() < deadline:
-            response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
-            if response.status_code == 503:
-                time.sleep(0.2)
-                continue
-            if response.status_code != 200:
-                return f"{response.status_code} {response.json()['detail']['error_type']}"
-            if response.json()["status"] not in ("queued", "running"):
-                return response.json()["status"]
-        return "still pending"
-
-    with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(final, job_ids))
-
-
 def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
         failover_stack: FailoverStack, sentinel_group: SentinelGroup) -> None:
     stack = failover_stack
@@ -212,7 +193,7 @@ def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
     job_ids.append(response.json()["id"])
     stack.script(delay=0.05)
 
-    assert final_statuses(stack, job_ids) == ["succeeded"] * (JOBS + 1)
+    assert final_statuses(stack.url, job_ids) == ["succeeded"] * (JOBS + 1)
     assert sentinel_group.current_master() == sentinel_group.replica_port
     assert stack.worker.alive() and stack.api.alive()  # followed the new master: nothing was restarted
     stored = stored_outcomes(stack.worker)
