@@ -338,11 +338,14 @@ async def outcomes(client: httpx.AsyncClient, jobs: list[str], patience: float) 
 
 
 async def until_in_flight(engine_url: str) -> dict:
-    """The CPU engine's counters once it holds a prompt."""
+    """The engine's counters once it holds a prompt: the CPU engine's queue depth, the scripted one's live
+    requests."""
     async with httpx.AsyncClient() as client:
-        while not (stats := (await client.get(f"{engine_url}/stats", timeout=5)).json())["queue_depth"]:
+        while True:
+            stats = (await client.get(f"{engine_url}/stats", timeout=5)).json()
+            if stats.get("queue_depth") or stats.get("live"):
+                return stats
             await asyncio.sleep(0.02)
-    return stats
 
 
 async def engine_crash_in_fleet(cluster: Cluster, count: int) -> tuple[Counter[str], list[str]]:
@@ -353,11 +356,12 @@ async def engine_crash_in_fleet(cluster: Cluster, count: int) -> tuple[Counter[s
         began = time.monotonic()
         jobs = await accept(client, count)
         events = [f"{time.monotonic() - began:5.1f} s  {count} jobs accepted (202)"]
-        running, queued = await _busy(cluster.redis_url, "chaos-0")
-        await until_in_flight(cluster.engines[0].url or "")
+        held = await until_in_flight(cluster.engines[0].url or "")
+        _, queued = await _busy(cluster.redis_url, "chaos-0")
         cluster.engines[0].kill()
-        events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL chaos-0's engine with {running} job(s) running "
-                      f"and {queued} in chaos-0's queue; nothing restarted")
+        prompts = held.get("queue_depth") or len(held.get("live", []))
+        events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL chaos-0's engine with {prompts} prompt(s) in it "
+                      f"and {queued} job(s) in chaos-0's queue, running ones included; nothing restarted")
         ended = await outcomes(client, jobs, CRASH_JOB_TIMEOUT + LOST_MARGIN)
         events.append(f"{time.monotonic() - began:5.1f} s  every job ended")
     code = cluster.workers["chaos-0"].process.wait(60)
