@@ -192,18 +192,22 @@ async def _wait_started_after(redis_url: str, worker_id: str, after: float) -> N
         await redis.aclose()
 
 
-async def _busy(redis_url: str, worker_id: str, patience: float = 10.0) -> tuple[int, int]:
-    """Once the worker holds a job (or `patience` runs out): the jobs it reported running in its
-    last heartbeat, and the jobs in its queue, running ones included."""
+async def _queued(redis_url: str, worker_id: str, patience: float = 10.0) -> int:
+    """Once the worker holds a job (or `patience` runs out): the jobs in its queue, running ones included."""
     redis = Redis.from_url(redis_url)
     give_up = time.monotonic() + patience
     try:
         while not (queued := int(await redis.zcard(keys.queue_name(worker_id)))) and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
-        raw = await redis.get(keys.worker_key(worker_id))
-        return (orjson.loads(raw)["running"] if raw else 0), queued
+        return queued
     finally:
         await redis.aclose()
+
+
+async def engine_prompts(client: httpx.AsyncClient, engine_url: str) -> int:
+    """The prompts an engine holds now: the CPU engine's queue depth, the scripted one's live requests."""
+    stats = (await client.get(f"{engine_url}/stats", timeout=5)).json()
+    return stats.get("queue_depth", 0) or len(stats.get("live", []))
 
 
 def start_engine(kind: str, index: int, log_dir: Path) -> Proc:
@@ -259,11 +263,14 @@ async def run(cluster: Cluster, requests: int, duration: float, seed: int, kill_
 
         async def chaos() -> None:
             await asyncio.sleep(kill_at * duration)
-            running, queued = await _busy(cluster.redis_url, victim)
+            queued = await _queued(cluster.redis_url, victim)
+            async with httpx.AsyncClient() as engine_client:
+                prompts = await engine_prompts(engine_client, victim_engine)
             cluster.workers[victim].kill()
             killed_at = time.time()
-            events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL {victim} with {running} job(s) running and "
-                          f"{queued} in its queue (running included); restarted at once with the same id")
+            events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL {victim} with {prompts} prompt(s) at its "
+                          f"engine and {queued} job(s) in its queue (running included); restarted at once with "
+                          "the same id")
             cluster.restart(victim, victim_engine)
             await _wait_started_after(cluster.redis_url, victim, killed_at)
             events.append(f"{time.monotonic() - began:5.1f} s  {victim}'s new process heartbeats (it took the lease "
@@ -337,15 +344,12 @@ async def outcomes(client: httpx.AsyncClient, jobs: list[str], patience: float) 
     return Counter(await asyncio.gather(*(one(job_id) for job_id in jobs)))
 
 
-async def until_in_flight(engine_url: str) -> dict:
-    """The engine's counters once it holds a prompt: the CPU engine's queue depth, the scripted one's live
-    requests."""
+async def until_in_flight(engine_url: str) -> int:
+    """Once the engine holds a prompt: how many it holds."""
     async with httpx.AsyncClient() as client:
-        while True:
-            stats = (await client.get(f"{engine_url}/stats", timeout=5)).json()
-            if stats.get("queue_depth") or stats.get("live"):
-                return stats
+        while not (prompts := await engine_prompts(client, engine_url)):
             await asyncio.sleep(0.02)
+    return prompts
 
 
 async def engine_crash_in_fleet(cluster: Cluster, count: int) -> tuple[Counter[str], list[str]]:
@@ -356,10 +360,9 @@ async def engine_crash_in_fleet(cluster: Cluster, count: int) -> tuple[Counter[s
         began = time.monotonic()
         jobs = await accept(client, count)
         events = [f"{time.monotonic() - began:5.1f} s  {count} jobs accepted (202)"]
-        held = await until_in_flight(cluster.engines[0].url or "")
-        _, queued = await _busy(cluster.redis_url, "chaos-0")
+        prompts = await until_in_flight(cluster.engines[0].url or "")
+        queued = await _queued(cluster.redis_url, "chaos-0")
         cluster.engines[0].kill()
-        prompts = held.get("queue_depth") or len(held.get("live", []))
         events.append(f"{time.monotonic() - began:5.1f} s  SIGKILL chaos-0's engine with {prompts} prompt(s) in it "
                       f"and {queued} job(s) in chaos-0's queue, running ones included; nothing restarted")
         ended = await outcomes(client, jobs, CRASH_JOB_TIMEOUT + LOST_MARGIN)
