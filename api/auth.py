@@ -14,7 +14,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from api.errors import QueueUnavailable, error_body, send_json
+from api.errors import error_body, queue_error, send_json
 from api.middleware import ASGIApp, Message, Receive, Scope, Send
 from common.tenants import KeysFileError, Tenant, TenantDirectory
 
@@ -167,8 +167,8 @@ class RateGate:
         try:
             decision = await scope["app"].state.services.queue.limiter.admit(tenant.name, per_minute,
                                                                              tenant.limits.burst)
-        except (RedisError, OSError):
-            down = QueueUnavailable()
+        except (RedisError, OSError) as exc:
+            down = queue_error(exc)
             scope["state"]["error_type"] = down.error_type
             await down.send_to(send)
             return

@@ -16,6 +16,7 @@ from starlette.routing import compile_path
 
 from api.strict_json import printable
 from common.contract import BOX_REFUSED, echo
+from common.redis_connection import out_of_memory
 
 
 def error_body(error_type: str, message: str) -> bytes:
@@ -91,6 +92,20 @@ class QueueUnavailable(ApiError, status=503, error_type="unavailable_error"):
         super().__init__("the job queue is unreachable; retry shortly", {"Retry-After": "2"})
 
 
+class QueueFull(ApiError, status=503, error_type="unavailable_error"):
+    """The queue's Redis is at its maxmemory (noeviction): it takes no new job until finished jobs' keys expire
+    or its limit is raised; the jobs it holds still run."""
+
+    def __init__(self) -> None:
+        super().__init__("the job queue is full (its Redis is at its maxmemory) and takes no new jobs; retry "
+                         "shortly", {"Retry-After": "5"})
+
+
+def queue_error(error: BaseException) -> ApiError:
+    """The 503 for a Redis error: full, or unreachable (restarting, failing over, cut off)."""
+    return QueueFull() if out_of_memory(error) else QueueUnavailable()
+
+
 class SyncJobLost(ApiError, status=503, error_type="unavailable_error"):
     """A sync request's job vanished from the queue while its caller waited (its Redis restarted
     without it, or lost its data): nothing will answer it, and sending it again is safe."""
@@ -155,8 +170,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _queue_down(request: Request, exc: RedisError) -> Response:
         # Any route that reaches Redis while it restarts: a fast 503, never a 500 (middleware that
-        # reaches Redis before a route answers the same QueueUnavailable, api/auth.py).
-        unavailable = QueueUnavailable()
+        # reaches Redis before a route answers the same, api/auth.py); a full Redis's says so.
+        unavailable = queue_error(exc)
         request.state.error_type = unavailable.error_type
         return unavailable.response()
 

@@ -31,9 +31,9 @@ _BODY_GATE = {
     415: "Unsupported Content-Encoding",
 }
 _AUTH = {401: "Wrong API key", 403: "Missing API key"}
-_QUEUE_DOWN = {503: "No live worker yet, or the job queue is unreachable; see Retry-After"}
-_SYNC_QUEUE_DOWN = {503: "No live worker yet, the job queue is unreachable, or it lost this request's job (its "
-                         "Redis restarted): see Retry-After, then send the request again"}
+_QUEUE_DOWN = {503: "No live worker yet, or the job queue is unreachable or full; see Retry-After"}
+_SYNC_QUEUE_DOWN = {503: "No live worker yet, the job queue is unreachable or full, or it lost this request's job "
+                         "(its Redis restarted): see Retry-After, then send the request again"}
 _JOB_GONE = {404: "Unknown job, or its result expired",
              410: "The job was accepted and should still be kept, but the queue lost it: submit it again"}
 _EXTRA: dict[tuple[str, str], dict[int, str]] = {

@@ -20,7 +20,7 @@ from arq.jobs import serialize_job
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from api.errors import NoWorker, Overloaded, QueueUnavailable, SyncJobLost, TenantLimited
+from api.errors import NoWorker, Overloaded, SyncJobLost, TenantLimited, queue_error
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
 from common.queue import keys
 from common.queue.limits import TenantLimiter
@@ -264,8 +264,8 @@ class AppendOnlyFile:
 
 @contextlib.contextmanager
 def _reachable() -> Iterator[None]:
-    """Redis errors inside become QueueUnavailable: a 503 with Retry-After."""
+    """Redis errors inside become a 503 with Retry-After: the queue unreachable, or full."""
     try:
         yield
     except (RedisError, OSError) as exc:
-        raise QueueUnavailable() from exc
+        raise queue_error(exc) from exc

@@ -9,6 +9,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ConstantBackoff, ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.jobs import deserialize, serialize
@@ -23,21 +24,26 @@ SENTINEL_TIMEOUT = 1.0  # seconds a Sentinel has to answer where the master is; 
 # the whole budget, so there only redis-py's own errors are retried (each retry asks the Sentinels again).
 RETRY_ON = (RedisConnectionError, RedisTimeoutError)
 RETRY_ON_SOCKET = (*RETRY_ON, OSError)
+# A worker also waits out a Redis at its maxmemory (noeviction), which refuses writes until finished jobs'
+# keys expire or the limit is raised: arq's own transactions (its poll's read of cancellations, a job's
+# start and finish) are refused whole inside MULTI, and an error there would end arq's poll loop and the
+# worker with it. The worker's scripts see the refusal as an error of their own and try again as they do.
+RETRY_ON_FULL = (OutOfMemoryError,)
 STARTUP_ATTEMPTS = 6  # a process starting beside its Redis waits for it this many seconds
 
 
 def redis_connection(settings: Settings, retries: int = 0) -> ArqRedis:
     """A client (arq's, with openjev's JSON job serializer) on the queue's Redis; connects lazily.
 
-    `retries`: how many times a command is sent again over a lost connection, backing off to 1 s
-    (0: the error is raised at once).
+    `retries`: how many times a command is sent again over a lost connection or to a full Redis, backing
+    off to 1 s (0: the error is raised at once).
     """
     dsn = RedisSettings.from_dsn(settings.redis_url)
     password = dsn.password or (settings.redis_password.get_secret_value() if settings.redis_password else None)
     options = {"db": dsn.database, "username": dsn.username, "password": password, "ssl": dsn.ssl,
                "socket_connect_timeout": CONNECT_TIMEOUT, "socket_keepalive": True}
     if retries:
-        errors = RETRY_ON if settings.redis_sentinels else RETRY_ON_SOCKET
+        errors = (*(RETRY_ON if settings.redis_sentinels else RETRY_ON_SOCKET), *RETRY_ON_FULL)
         retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries, supported_errors=errors)
         options |= {"retry": retry, "retry_on_error": list(errors)}
     if settings.redis_sentinels:
@@ -51,6 +57,13 @@ def redis_connection(settings: Settings, retries: int = 0) -> ArqRedis:
     client.job_serializer = serialize
     client.job_deserializer = deserialize
     return client
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether Redis refused a write at its maxmemory: redis-py's OutOfMemoryError for a command, or a script's
+    error carrying that refusal (Redis 6 reports it as "Error running script ...: -OOM command not allowed")."""
+    return isinstance(error, OutOfMemoryError) or (
+        isinstance(error, ResponseError) and "OOM command not allowed" in str(error))
 
 
 def redis_address(settings: Settings) -> str:

@@ -62,17 +62,17 @@ local t = redis.call('TIME')
 local now, window = t[1] + t[2] / 1e6, tonumber(ARGV[1])
 local interactive = ARGV[16] == 'interactive'
 
+-- Nothing is written until the job is placed, and the first write is one that Redis refuses at its maxmemory
+-- (INCR, SET, HSET, ZADD; not ZREMRANGEBYSCORE or EXPIRE): Redis refuses a script at its first such write
+-- unless it has written before, and then lets it finish past the limit. So a full Redis refuses the whole
+-- placement (the API's 503) instead of taking a job no worker could claim.
 local tenant_jobs, tenant_async = 'TENANT_PREFIX' .. ARGV[14] .. ':jobs', 'TENANT_PREFIX' .. ARGV[14] .. ':async'
-redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
 local max_jobs, max_queued = tonumber(ARGV[18]), tonumber(ARGV[19])
-if max_jobs > 0 and redis.call('ZCARD', tenant_jobs) >= max_jobs then
+if max_jobs > 0 and redis.call('ZCOUNT', tenant_jobs, '(' .. now, '+inf') >= max_jobs then
   return {'limited', 'max_concurrent_jobs', max_jobs}
 end
-if ARGV[20] == 'async' then
-  redis.call('ZREMRANGEBYSCORE', tenant_async, '-inf', now)
-  if max_queued > 0 and redis.call('ZCARD', tenant_async) >= max_queued then
-    return {'limited', 'max_queued_jobs', max_queued}
-  end
+if ARGV[20] == 'async' and max_queued > 0 and redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf') >= max_queued then
+  return {'limited', 'max_queued_jobs', max_queued}
 end
 
 local workers, weight = {}, {}
@@ -150,8 +150,14 @@ record_placed(ARGV[9], ttl, {'queue', target.queue, 'placement', arq_id, 'placem
                               'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline),
                               unpack(ARGV, 23)})
 arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
+-- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
+-- records.py, or here once its deadline has passed).
+redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
-if ARGV[20] == 'async' then redis.call('ZADD', tenant_async, deadline, ARGV[8]) end
+if ARGV[20] == 'async' then
+  redis.call('ZREMRANGEBYSCORE', tenant_async, '-inf', now)
+  redis.call('ZADD', tenant_async, deadline, ARGV[8])
+end
 -- The tenant's sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job
 -- needs, so the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
 local bounded = {tenant_jobs}

@@ -1,0 +1,66 @@
+"""A Redis at its maxmemory (noeviction, as every deployment runs it): the API refuses new jobs at once with
+a 503 that says the queue is full, the worker rides it out (arq's own transactions are refused too, and an
+error there used to end the worker), and what was accepted before runs to its answer once memory is back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from harness.stacks import Stack, final_statuses, isolated_scripted_stack
+from harness.web import web
+from tests.conftest import wait_until
+from tests.test_api_contract import NOUL, body
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
+    with isolated_scripted_stack(model_dir, log_dir) as running:  # its own Redis: CONFIG SET is server-wide
+        yield running
+
+
+def refused_transactions(client: redis.Redis) -> int:
+    """MULTI/EXEC transactions Redis has refused whole (EXECABORT): arq's poll reads cancellations in one."""
+    return int(client.info("errorstats").get("errorstat_EXECABORT", {}).get("count", 0))
+
+
+def test_a_full_redis_refuses_new_jobs_with_a_503_and_the_worker_rides_it_out(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        stack.script(delay=2.0)
+        accepted = web.post(stack.url + "/v1/jobs", json=body({"a": NOUL}, state="accepted before"), timeout=30)
+        assert accepted.status_code == 202, accepted.text
+        wait_until(lambda: stack.engine_stats()["live"], 15, "the accepted job at its engine")
+        refused_before = refused_transactions(client)
+        client.config_set("maxmemory", 1)  # every write that needs memory is refused
+        try:
+            for path in ("/v1/systemone", "/v1/jobs"):
+                started = time.monotonic()
+                response = web.post(stack.url + path, json=body({"a": NOUL}, state=f"while full {path}"), timeout=30)
+                assert response.status_code == 503, (path, response.text)
+                assert "maxmemory" in response.json()["detail"]["message"], response.text
+                assert int(response.headers["retry-after"]) >= 1
+                assert time.monotonic() - started < 5, path  # refused at the door, not left to its deadline
+            # arq's poll is refused twice over: the worker met the refusal and went on
+            wait_until(lambda: refused_transactions(client) >= refused_before + 2, 30, "arq's poll refused twice")
+            assert stack.workers[0].alive(), stack.workers[0].output()[-3000:]
+        finally:
+            client.config_set("maxmemory", 0)
+        stack.script(delay=0.0)
+        assert final_statuses(stack.url, [accepted.json()["id"]], 60) == ["succeeded"]
+
+        def answered() -> dict | None:  # a 503 "no worker" until the worker's next heartbeat is written
+            response = stack.post(body({"a": NOUL}, state="after"))
+            return response.json() if response.status_code == 200 else None
+
+        assert wait_until(answered, 30, "a new request answered once memory is back")["answers"]["a"]["type"] == "noul"
+        assert stack.workers[0].alive()
+        assert "Traceback" not in stack.workers[0].output()
+    finally:
+        client.close()
