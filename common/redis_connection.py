@@ -18,10 +18,11 @@ from common.settings import Settings
 CONNECT_TIMEOUT = 2.0  # seconds to open a connection to Redis or to a Sentinel
 SENTINEL_TIMEOUT = 1.0  # seconds a Sentinel has to answer where the master is; then the next one is asked
 # What a retry rides over: a lost connection (Redis restarted, or a master died and the next connection
-# asks the Sentinels again), never an error Redis answered with. redis-py retries a connection attempt
-# that fails with a socket's OSError against the same address, before it becomes a ConnectionError:
-# that is what waits out a restarted Redis, but through Sentinels it would knock at a dead master for
-# the whole budget, so there only redis-py's own errors are retried (each retry asks the Sentinels again).
+# asks the Sentinels again), never an error Redis answered with but a full Redis's refusal (RETRY_ON_FULL).
+# redis-py retries a connection attempt that fails with a socket's OSError against the same address, before
+# it becomes a ConnectionError: that is what waits out a restarted Redis, but through Sentinels it would
+# knock at a dead master for the whole budget, so there only redis-py's own errors are retried (each retry
+# asks the Sentinels again).
 RETRY_ON = (RedisConnectionError, RedisTimeoutError)
 RETRY_ON_SOCKET = (*RETRY_ON, OSError)
 # A worker also waits out a Redis at its maxmemory (noeviction), which refuses writes until finished jobs'
