@@ -5,11 +5,13 @@ abort marks; sync records go at delivery; a lapsed worker's jobs move as new pla
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common.jobs import JobOutcome, JobStatus
 from common.queue import keys
@@ -17,6 +19,7 @@ from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanis
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
 from common.queue.placement import Dispatcher
 from common.queue.records import NOTICE_OUTCOME_MAX, SYNC_ANSWERED_KEEP, SYNC_KEEP, JobStore
+from common.redis_connection import out_of_memory
 from common.settings import RoutingPolicy
 from tests.conftest import claim_and_start, redis_now
 
@@ -69,6 +72,27 @@ async def test_only_the_current_placement_starts_and_stores_once_and_announces_i
     await redis.delete(keys.ARQ_IN_PROGRESS + "job_a.1")  # its claim lapsed with the placement still queued
     assert await claim_and_start(redis, "job_a.1", "w1") is None  # ended: never run again
     assert 590 <= await redis.ttl(keys.job_key("job_a")) <= 600
+
+
+async def test_a_store_a_full_redis_refuses_is_tried_until_its_time_with_one_warning_then_lands(
+        redis: Redis, store: JobStore, caplog: pytest.LogCaptureFixture) -> None:
+    await join(redis, "w1")
+    await submit(redis, "job_full")
+    assert await claim_and_start(redis, "job_full.1", "w1") is not None
+    await redis.config_set("maxmemory", 1)  # this module's own Redis: every write that needs memory is refused
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="openjev.queue"), pytest.raises(ResponseError) as refused:
+            await store.store("job_full.1", DONE, started + 1.5)
+        assert out_of_memory(refused.value), refused.value
+        assert time.monotonic() - started >= 1.5  # tried until its time: six tries
+        warned = [r.getMessage() for r in caplog.records if "storing its outcome failed" in r.getMessage()]
+        assert len(warned) == 1 and "try 1" in warned[0], warned  # not one a try
+    finally:
+        await redis.config_set("maxmemory", 0)
+    assert await store.store("job_full.1", DONE, time.monotonic() + 5) is True
+    record = await store.get("job_full")
+    assert record is not None and record.status is JobStatus.succeeded
 
 
 async def test_ending_a_finished_job_leaves_no_abort_mark_and_old_marks_are_trimmed(

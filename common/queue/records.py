@@ -34,6 +34,7 @@ SYNC_ANSWERED_KEEP = 15
 # notice, so a bigger one (hundreds of options on many questions) is announced bare and read back.
 NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
+STORE_RETRY_LOG_INTERVAL = 10.0  # seconds between a job's warnings that its store is still refused
 
 # The record's writes made from other modules' scripts, as Lua functions those scripts include (placement.py's
 # submit, leases.py's move, reruns.py's rerun), so that every write of a job's record is written here.
@@ -201,16 +202,22 @@ class JobStore:
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
-        when stored. Retries while Redis is unreachable, until `give_up_at` (time.monotonic())."""
+        when stored. Retries while Redis is unreachable or full, until `give_up_at` (time.monotonic()),
+        with a warning at the first failure and one every STORE_RETRY_LOG_INTERVAL after."""
         job_id = keys.job_of(arq_job_id)
         args = [arq_job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id]
+        tries, warned_at = 0, -STORE_RETRY_LOG_INTERVAL
         while True:
             try:
                 return bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
             except (RedisError, OSError) as exc:
                 if time.monotonic() >= give_up_at:
                     raise
-                log.warning("job %s: storing its outcome failed (%r); retrying", job_id, exc)
+                tries += 1
+                if time.monotonic() - warned_at >= STORE_RETRY_LOG_INTERVAL:
+                    warned_at = time.monotonic()
+                    log.warning("job %s: storing its outcome failed (%r; try %d); retrying every %g s until its "
+                                "deadline", job_id, exc, tries, STORE_RETRY_DELAY)
                 await asyncio.sleep(STORE_RETRY_DELAY)
 
     async def placements(self, arq_job_ids: list[str]) -> list[bool]:
