@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
@@ -28,7 +27,7 @@ from api.queue_client import AppendOnlyFile
 from common.queue import keys
 from harness.aof import in_file, start_stress
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
-from harness.stacks import CPU_MODEL_NAME, final_statuses, stack_env
+from harness.stacks import CPU_MODEL_NAME, answered, final_statuses, stack_env
 from harness.web import web
 from openjev.embedded_redis import PORT_FLOOR, RedisServer, ephemeral_ports, free_port
 from tests.test_api_contract import NOUL, body
@@ -216,17 +215,6 @@ def persistence(port: int, redis_dir: Path) -> dict[str, str]:
         owner.close()
 
 
-def answered(served: Served, timeout: float = 60.0) -> httpx.Response:
-    """The first non-503 answer to a sync request, retrying the 503s of a Redis restart."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = web.post(served.url + "/v1/systemone", json=body({"q": NOUL}), timeout=30)
-        if response.status_code != 503 or time.monotonic() > deadline:
-            return response
-        assert int(response.headers["retry-after"]) >= 1
-        time.sleep(0.5)
-
-
 def start_connected_serve(log_dir: Path, engine: Proc, model_dir: Path, redis_dir: Path) -> Served:
     assert engine.url
     return start_serve(log_dir, "--connect", engine.url, OPENJEV_TOKENIZER=str(model_dir),
@@ -260,7 +248,7 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
         assert persistence(port, redis_dir)["dir"] == str(redis_dir)
 
         web.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
-        response = answered(served)
+        response = answered(served.url, body({"q": NOUL}))  # past the 503s of the restart
         assert response.status_code == 200, response.text
         final = web.get(f"{served.url}/v1/jobs/{job['id']}", params={"wait": 20}, timeout=40).json()
         assert final.get("status") == "succeeded", final  # accepted before the kill, answered after it

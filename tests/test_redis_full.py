@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from harness.stacks import Stack, final_statuses, isolated_scripted_stack
+from harness.stacks import Stack, answered, final_statuses, isolated_scripted_stack
 from harness.web import web
 from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
@@ -54,12 +54,9 @@ def test_a_full_redis_refuses_new_jobs_with_a_503_and_the_worker_rides_it_out(st
             client.config_set("maxmemory", 0)
         stack.script(delay=0.0)
         assert final_statuses(stack.url, [accepted.json()["id"]], 60) == ["succeeded"]
-
-        def answered() -> dict | None:  # a 503 "no worker" until the worker's next heartbeat is written
-            response = stack.post(body({"a": NOUL}, state="after"))
-            return response.json() if response.status_code == 200 else None
-
-        assert wait_until(answered, 30, "a new request answered once memory is back")["answers"]["a"]["type"] == "noul"
+        after = answered(stack.url, body({"a": NOUL}, state="after"), 30)  # 503 "no worker" until its next beat
+        assert after.status_code == 200, after.text
+        assert after.json()["answers"]["a"]["type"] == "noul"
         assert stack.workers[0].alive()
         assert "Traceback" not in stack.workers[0].output()
     finally:
