@@ -15,13 +15,19 @@ from openjev.embedded_redis import PERSISTENCE_ARGS, find_redis_server, free_por
 
 MASTER_NAME = "openjev"
 DOWN_AFTER_MS = 1000  # a Sentinel calls the master down after this long without an answer
+# A Sentinel that voted in a failover's election tries none of its own for twice this, so an election that
+# splits (three Sentinels that see the master down within a few milliseconds may each vote for itself) is
+# tried again 6 s later, inside the 10 s a failover has (at 10000 ms it was 20 s: CI once saw a failover
+# take over 15 s). It also bounds the wait for the replica to report its promotion (under a second here).
+FAILOVER_TIMEOUT_MS = 3000
 
 
 class SentinelGroup:
     """A master, a replica of it and three Sentinels on loopback, all with one password."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, failover_timeout_ms: int = FAILOVER_TIMEOUT_MS) -> None:
         self.root = root
+        self.failover_timeout_ms = failover_timeout_ms
         self.password = secrets.token_hex(16)
         self.binary = str(find_redis_server())
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -29,8 +35,9 @@ class SentinelGroup:
         self.master = self._redis("master", self.master_port, [])
         self.replica = self._redis("replica", self.replica_port, [f"replicaof 127.0.0.1 {self.master_port}"])
         self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinel_processes: list[subprocess.Popen[bytes]] = []
         for i, port in enumerate(self.sentinel_ports):
-            self._sentinel(i, port)
+            self.sentinel_processes.append(self._sentinel(i, port))
 
     def _redis(self, name: str, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
         data = self.root / name
@@ -40,7 +47,7 @@ class SentinelGroup:
         config = [f"requirepass {self.password}", f"masterauth {self.password}", *extra]
         return self._start(argv, "\n".join(config))
 
-    def _sentinel(self, index: int, port: int) -> None:
+    def _sentinel(self, index: int, port: int) -> subprocess.Popen[bytes]:
         data = self.root / f"sentinel-{index}"
         data.mkdir(mode=0o700)
         config = data / "sentinel.conf"  # a Sentinel rewrites its file: it must be its own and writable
@@ -50,9 +57,9 @@ class SentinelGroup:
             f"sentinel monitor {MASTER_NAME} 127.0.0.1 {self.master_port} 2",
             f"sentinel auth-pass {MASTER_NAME} {self.password}",
             f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
-            f"sentinel failover-timeout {MASTER_NAME} 10000", ""]))
+            f"sentinel failover-timeout {MASTER_NAME} {self.failover_timeout_ms}", ""]))
         config.chmod(0o600)
-        self._start([self.binary, str(config), "--sentinel"], "")
+        return self._start([self.binary, str(config), "--sentinel"], "")
 
     def _start(self, argv: list[str], stdin: str) -> subprocess.Popen[bytes]:
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
@@ -98,8 +105,23 @@ class SentinelGroup:
             return False
         return True
 
-    def current_master(self) -> int:
-        _, port = self.client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(MASTER_NAME)
+    def log(self, index: int) -> str:
+        """Sentinel `index`'s log so far."""
+        path = self.root / f"sentinel-{index}" / "sentinel.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def events(self, last: int = 25) -> str:
+        """Each Sentinel's last `last` events (the log's "+event" and "-event" lines: votes, elections,
+        aborts, delays), for a failure's message."""
+        parts = []
+        for i in range(len(self.sentinel_ports)):
+            events = [line for line in self.log(i).splitlines() if " # " in line or " * " in line][-last:]
+            parts.append(f"sentinel {i}:\n" + "\n".join(events))
+        return "\n".join(parts)
+
+    def current_master(self, sentinel: int = 0) -> int:
+        """The master's port, as Sentinel `sentinel` names it."""
+        _, port = self.client(self.sentinel_ports[sentinel]).sentinel_get_master_addr_by_name(MASTER_NAME)
         return int(port)
 
     def stop(self) -> None:

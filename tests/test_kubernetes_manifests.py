@@ -261,6 +261,8 @@ def test_the_sentinel_redis_keeps_the_readme_rules_on_persistent_volumes() -> No
                  "sentinel auth-pass openjev $REDIS_PASSWORD"):
         assert rule in sentinel, rule
     assert "sentinel monitor openjev $master 6379 2" in sentinel
+    # An election that does not finish is tried again after twice this: 20 s, not minutes.
+    assert "sentinel failover-timeout openjev 10000" in sentinel
     for each in containers(spec["template"]["spec"]):
         assert not any("$REDIS_PASSWORD" in arg for arg in each["command"])  # never on a command line
     for name, text in scripts["data"].items():
