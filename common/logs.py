@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Fields a log call may attach with `extra=`; everything else on a record is logging's own.
@@ -44,3 +45,43 @@ def configure_logging(level: str = "INFO") -> None:
     # httpx logs every health check and engine call; arq logs every job with a preview of its args.
     for noisy in ("httpx", "httpcore", "arq.worker", "arq.jobs", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class RepeatedFailure:
+    """The warnings of one thing that fails again on every try while what it needs is down (a worker's
+    heartbeat, its look at the queue, its claims, while Redis restarts or fails over): the first failure,
+    then at most one every `interval` seconds with how many failed since, and one line once it works
+    again, saying for how long it had failed. A log that stays readable through an outage of minutes."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.what = what
+        self.interval = interval
+        self.clock = clock
+        self.failures = 0  # since the last success
+        self._first_at = 0.0
+        self._warned_at = 0.0
+        self._warned_failures = 0
+
+    def failed(self, error: BaseException, next_try: str = "") -> None:
+        """Count one failure; warn if it is the first since the last success or `interval` s passed.
+        `next_try`: when it is tried again, as a clause ("the next look, in 0.5 s, tries again")."""
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._first_at = now
+        elif now - self._warned_at < self.interval:
+            return
+        since = "" if self.failures == 1 else (
+            f"; {self.failures - self._warned_failures} more failures in {now - self._warned_at:.0f} s, "
+            f"{self.failures} in {now - self._first_at:.0f} s")
+        self.logger.warning("%s failed (%r%s)%s", self.what, error, since, f"; {next_try}" if next_try else "")
+        self._warned_at, self._warned_failures = now, self.failures
+
+    def succeeded(self) -> None:
+        """It worked: after failures, one line saying so; then the count starts again."""
+        if self.failures:
+            self.logger.info("%s works again after %d failures in %.1f s", self.what, self.failures,
+                             self.clock() - self._first_at)
+            self.failures = 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
-from common.logs import JsonFormatter
+import pytest
+
+from common.logs import JsonFormatter, RepeatedFailure
 from harness.processes import Proc
 from harness.stacks import Stack
 from tests.conftest import wait_until
@@ -31,6 +33,29 @@ def test_a_log_record_becomes_one_json_line_with_its_event_fields() -> None:
     data = json.loads(line)
     assert data["event"] == "request" and data["request_id"] == "req_abc" and data["status"] == 200
     assert data["level"] == "info" and data["ts"].endswith("Z")
+
+
+def test_a_failure_repeated_every_second_warns_once_then_every_ten_seconds_and_says_when_it_recovers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    failures = RepeatedFailure(logging.getLogger("openjev.test"), "heartbeat", interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="openjev.test"):
+        for _ in range(25):  # 25 s of an outage, a try a second
+            failures.failed(ConnectionError("refused"), "the next beat tries again")
+            now[0] += 1.0
+        failures.succeeded()
+        failures.succeeded()  # nothing more to say
+        failures.failed(ConnectionError("again"))  # a new outage warns at once
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("WARNING", "heartbeat failed (ConnectionError('refused')); the next beat tries again"),
+        ("WARNING", "heartbeat failed (ConnectionError('refused'); 10 more failures in 10 s, 11 in 10 s); "
+                    "the next beat tries again"),
+        ("WARNING", "heartbeat failed (ConnectionError('refused'); 10 more failures in 10 s, 21 in 20 s); "
+                    "the next beat tries again"),
+        ("INFO", "heartbeat works again after 25 failures in 25.0 s"),
+        ("WARNING", "heartbeat failed (ConnectionError('again'))"),
+    ]
 
 
 def test_each_request_and_job_logs_one_event_with_ids_and_no_body_or_key(scripted_stack: Stack) -> None:

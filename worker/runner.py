@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from common.heap import freeze_startup_heap
 from common.jobs import deserialize, serialize
+from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
 from common.queue.membership import (
@@ -104,18 +105,20 @@ async def _keep_alive(state: WorkerState) -> None:
     rest, where nothing but liveness changes. Stops the worker when its engine is down or another
     process holds its lease."""
     health, info = state.health, state.info
+    failures = RepeatedFailure(log, "heartbeat")
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
         try:
             await _beat(state)
+            failures.succeeded()
         except LeaseTaken as exc:
             log.error("%s; worker %s stops", exc, info.id)
             state.exit_code = EXIT_LEASE_LOST
             state.worker.handle_sig(15)
             return
         except (RedisError, OSError) as exc:  # a Redis blip must not end the loop; a long one lapses the lease
-            log.warning("heartbeat failed: %r", exc)
+            failures.failed(exc, "the next beat tries again")
         if health.down.is_set():
             log.error("engine at %s is down; worker %s stops", state.settings.engine_url, info.id)
             state.exit_code = EXIT_ENGINE_DOWN

@@ -42,6 +42,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.background import cancel_and_wait
+from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.claims import Claims
 from common.queue.records import Started
@@ -76,6 +77,9 @@ class WakeUps:
         self._arrivals = itertools.count()
         self._announced = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # While Redis is down each look and each claim fails: a warning at the first, then one every 10 s.
+        self._look_failures = RepeatedFailure(log, f"look at queue {queue}")
+        self._claim_failures = RepeatedFailure(log, f"claim of a job queued on {queue}")
 
     async def start(self) -> None:
         """Send SUBSCRIBE before returning (so before the worker's first heartbeat makes it routable),
@@ -105,9 +109,9 @@ class WakeUps:
             due = await self.redis.zrangebyscore(self.queue, "-inf", timestamp_ms(), start=0,
                                                  num=self.worker.queue_read_limit, withscores=True)
         except (RedisError, OSError) as exc:
-            log.warning("look at queue %s failed (%r); the next one, in %g s, tries again",
-                        self.queue, exc, self.look_interval)
+            self._look_failures.failed(exc, f"the next one, in {self.look_interval:g} s, tries again")
             return
+        self._look_failures.succeeded()
         for arq_job_id, score in due:
             if not self._runs_here(arq_job_id.decode()):
                 self._announce(arq_job_id, score)
@@ -160,9 +164,10 @@ class WakeUps:
         try:
             claimed = await self.claims.claim(job_id)
         except (RedisError, OSError) as exc:
-            log.warning("claim of %s broken off (%r); the next look at the queue, within %g s, starts it",
-                        job_id, exc, self.look_interval)
+            self._claim_failures.failed(exc, f"{job_id} was broken off; the next look at the queue, within "
+                                             f"{self.look_interval:g} s, starts it")
             return
+        self._claim_failures.succeeded()
         if claimed is None:
             return
         self._started[job_id] = claimed.started
