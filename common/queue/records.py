@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.jobs import JobOutcome, JobStatus
+from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.arq_layout import ARQ_LUA
 from common.tenants import DEFAULT_TENANT
@@ -206,19 +207,18 @@ class JobStore:
         with a warning at the first failure and one every STORE_RETRY_LOG_INTERVAL after."""
         job_id = keys.job_of(arq_job_id)
         args = [arq_job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id]
-        tries, warned_at = 0, -STORE_RETRY_LOG_INTERVAL
+        failures = RepeatedFailure(log, f"job {job_id}: storing its outcome", STORE_RETRY_LOG_INTERVAL)
         while True:
             try:
-                return bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
+                stored = bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
             except (RedisError, OSError) as exc:
                 if time.monotonic() >= give_up_at:
                     raise
-                tries += 1
-                if time.monotonic() - warned_at >= STORE_RETRY_LOG_INTERVAL:
-                    warned_at = time.monotonic()
-                    log.warning("job %s: storing its outcome failed (%r; try %d); retrying every %g s until its "
-                                "deadline", job_id, exc, tries, STORE_RETRY_DELAY)
+                failures.failed(exc, f"retrying every {STORE_RETRY_DELAY:g} s until its deadline")
                 await asyncio.sleep(STORE_RETRY_DELAY)
+                continue
+            failures.succeeded()
+            return stored
 
     async def placements(self, arq_job_ids: list[str]) -> list[bool]:
         """For each arq job id, whether it is still its job's placement."""
