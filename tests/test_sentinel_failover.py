@@ -82,20 +82,29 @@ def test_a_promise_waits_for_the_replicas_copy_bounded_and_logged(sentinel_group
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     replica = sentinel_group.client(sentinel_group.replica_port)
 
-    async def scenario() -> tuple[bool, bool, float, bool, float]:
+    async def scenario() -> tuple[bool, bool, float, float, bool, float]:
         client = redis_connection(settings_for(sentinel_group))
         try:
             assert not replica.exists(keys.REPLICATION_MARK)
             copied = await ReplicaCopy(client).wait()
             assert replica.exists(keys.REPLICATION_MARK)  # confirmed: the replica holds the mark
-            # A replica that stops answering stays connected: WAIT blocks, up to the bound.
+            # A replica that stops answering stays connected: WAIT blocks, up to the bound; then the promises
+            # of the next 1.5 s go without waiting, and the first after them waits again.
+            lagging = ReplicaCopy(client, timeout=1.0, lagging_recheck=1.5)
             sentinel_group.replica.send_signal(signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                stalled = await ReplicaCopy(client, timeout=1.0).wait()
+                stalled = await lagging.wait()
                 waited = time.monotonic() - started
+                started = time.monotonic()
+                assert [await lagging.wait() for _ in range(5)] == [False] * 5
+                skipped_in = time.monotonic() - started
             finally:
                 sentinel_group.replica.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while not await lagging.wait():  # at once while the window lasts, then a wait the replica confirms
+                assert time.monotonic() < deadline, "the replica never confirmed a write again"
+                await asyncio.sleep(0.05)
             replica.shutdown(nosave=True)
             deadline = time.monotonic() + 10
             while (await client.info("replication"))["connected_slaves"]:
@@ -103,16 +112,20 @@ def test_a_promise_waits_for_the_replicas_copy_bounded_and_logged(sentinel_group
                 await asyncio.sleep(0.05)
             started = time.monotonic()
             alone = await ReplicaCopy(client, timeout=5.0).wait()
-            return copied, stalled, waited, alone, time.monotonic() - started
+            return copied, stalled, waited, skipped_in, alone, time.monotonic() - started
         finally:
             await client.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="openjev.queue"):
-        copied, stalled, waited, alone, alone_waited = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="openjev.queue"):
+        copied, stalled, waited, skipped_in, alone, alone_waited = asyncio.run(scenario())
     assert copied
     assert not stalled and 1.0 <= waited < 3.0
-    assert [r.getMessage() for r in caplog.records] == [
-        "no replica confirmed a write within 1.0 s; the promise is given anyway"]
+    assert skipped_in < 0.5  # five promises, none of which waited
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == ("no replica confirmed a write within 1.0 s; the promise is given anyway, and those of "
+                           "the next 1.5 s without waiting")
+    assert len(messages) == 2 and messages[1].startswith("a replica confirms writes again; "), messages
+    assert int(messages[1].split("; ")[1].split()[0]) >= 5  # the five above, and the loop's while the window lasted
     assert not alone and alone_waited < 1.0  # no replica: one INFO, no WAIT
 
 
