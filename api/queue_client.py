@@ -22,6 +22,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from api.errors import NoWorker, Overloaded, SyncJobLost, TenantLimited, queue_error
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
+from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.limits import TenantLimiter
 from common.queue.membership import Backlog, BacklogReader, WorkerInfo, fleet
@@ -107,15 +108,16 @@ class JobQueue:
         self.backlog_reader = BacklogReader(redis, store.longest_job_seconds)
         self.written = AppendOnlyFile(redis)
         self.copied = ReplicaCopy(redis)
+        self._reachable = Reachable()
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
-        with _reachable():
+        with self._reachable():
             return await fleet(self.redis)
 
     async def backlog(self, workers: list[WorkerInfo]) -> dict[str, Backlog]:
         """Each worker's jobs waiting to start (not the running ones), by worker id; one round trip."""
-        with _reachable():
+        with self._reachable():
             waiting = await self.backlog_reader.read([w.queue for w in workers])
         return {w.id: waiting[w.queue] for w in workers}
 
@@ -133,13 +135,13 @@ class JobQueue:
         record = {"status": JobStatus.queued.value, "request_id": job.request_id, "route_key": job.prefix_hash,
                   "kind": "sync" if sync else "async"}
         remaining = job.remaining()
-        with _reachable():
+        with self._reachable():
             placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, record,
                                                  SYNC_KEEP if sync else self.store.result_ttl, payload, idempotency,
                                                  admission)
         if placed.queue is not None or placed.held is not None:
             if not sync:  # a held job too: the request that placed it may have been answered an instant ago
-                with _reachable():
+                with self._reachable():
                     await self.written.wait()
                     await self.copied.wait()  # a failover keeps what a replica has
             return Submitted(held=placed.held)
@@ -174,7 +176,7 @@ class JobQueue:
                 await asyncio.wait((future,), timeout=min(left, RECHECK_INTERVAL))
                 if future.done() and (announced := future.result()) is not None:
                     return JobOutcome.model_validate_json(announced)
-                with _reachable():
+                with self._reachable():
                     status, outcome = await self.store.collect(job.id)
                 if status is None:
                     raise SyncJobLost(job.id)
@@ -201,7 +203,7 @@ class JobQueue:
 
     async def get(self, job_id: str) -> JobRecord | None:
         """The job's record; None if unknown or expired."""
-        with _reachable():
+        with self._reachable():
             return await self.store.get(job_id)
 
     async def cancel(self, job_id: str, status: JobStatus, error_type: str, message: str, http_status: int,
@@ -210,7 +212,7 @@ class JobQueue:
         True when this call ended it. With `after_deadline`: only once its deadline is that far past."""
         outcome = JobOutcome(status=status, error={"error_type": error_type, "message": message},
                              http_status=http_status)
-        with _reachable():
+        with self._reachable():
             return await self.store.cancel(job_id, outcome, after_deadline)
 
 
@@ -262,10 +264,19 @@ class AppendOnlyFile:
             return None
 
 
-@contextlib.contextmanager
-def _reachable() -> Iterator[None]:
-    """Redis errors inside become a 503 with Retry-After: the queue unreachable, or full."""
-    try:
-        yield
-    except (RedisError, OSError) as exc:
-        raise queue_error(exc) from exc
+class Reachable:
+    """Where the API reaches the queue's Redis: its errors become a 503 with Retry-After (the queue
+    unreachable, or full), and the log says why once at the first, then every 10 s, and once when Redis
+    answers again (each refused request is in the request log as well)."""
+
+    def __init__(self) -> None:
+        self.failures = RepeatedFailure(log, "the job queue's Redis")
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            self.failures.failed(exc, "requests that need it are answered 503 until it answers")
+            raise queue_error(exc) from exc
+        self.failures.succeeded()

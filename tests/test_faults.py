@@ -35,6 +35,8 @@ from harness.processes import (
 from harness.stacks import model_cache_dir, stack_env
 from harness.web import web
 from openjev.embedded_redis import RedisServer, free_port
+from tests.conftest import wait_until
+from tests.test_logs import events
 
 pytestmark = pytest.mark.integration
 
@@ -331,6 +333,7 @@ def test_while_redis_is_down_the_api_answers_503_fast_and_recovers_when_it_retur
                                                         timeout=REQUEST_TIMEOUT + 10))
     wait_in_flight(faults.engine_url, before)
     faults.stop_redis()
+    stopped_at = time.monotonic()
     try:
         interrupted = in_flight.result(timeout=REQUEST_TIMEOUT + 15)
         pool.shutdown()
@@ -353,8 +356,14 @@ def test_while_redis_is_down_the_api_answers_503_fast_and_recovers_when_it_retur
         assert response.status_code == 503, response.text  # "not yet", never anything worse
         assert time.monotonic() < deadline, "no success within 30 s of Redis returning"
         time.sleep(0.5)
+    outage = time.monotonic() - stopped_at
     assert set(response.json()["answers"]) == {"refund"}
     assert faults.api.alive() and worker.alive()  # nothing was restarted
+    # The API's log says why it refused, once at the first refusal and then every 10 s, and that Redis is back.
+    wait_until(lambda: "the job queue's Redis works again" in faults.api.output(), 5, "the API's log of the return")
+    warned = [e["message"] for e in events(faults.api.output())
+              if e.get("level") == "warning" and e["message"].startswith("the job queue's Redis failed")]
+    assert 1 <= len(warned) <= 2 + outage // 10, (outage, warned)
 
 
 # --- under `openjev serve` -------------------------------------------------------------------------
