@@ -87,7 +87,10 @@ async def test_a_store_a_full_redis_refuses_is_tried_until_its_time_with_one_war
         assert out_of_memory(refused.value), refused.value
         assert time.monotonic() - started >= 1.5  # tried until its time: six tries
         warned = [r.getMessage() for r in caplog.records if "storing its outcome failed" in r.getMessage()]
-        assert len(warned) == 1, warned  # at the first try, not one a try
+        assert len(warned) == 1, warned  # not one a try
+        # ... and that one at the first try: the first failure's form, with no count of failures since
+        assert warned[0].startswith("job job_full: storing its outcome failed (") and "more failures" not in warned[0]
+        assert warned[0].endswith("; retrying every 0.25 s until its deadline"), warned
     finally:
         await redis.config_set("maxmemory", 0)
     assert await store.store("job_full.1", DONE, time.monotonic() + 5) is True
