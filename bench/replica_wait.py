@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import statistics
 import tempfile
@@ -24,34 +25,19 @@ from common.redis_connection import redis_connection
 from harness.sentinels import SentinelGroup, settings_for
 
 
-async def timed_writes(group: SentinelGroup, writes: int) -> list[float]:
-    """Milliseconds per write + wait, one after another."""
-    client = redis_connection(settings_for(group))
-    copies = ReplicaCopy(client)
-    took = []
-    try:
-        for i in range(writes):
-            started = time.perf_counter()
-            await client.hset(f"bench:replica-wait:{i % 100}", mapping={"status": "queued", "n": i})
-            await copies.wait()
-            took.append((time.perf_counter() - started) * 1000)
-    finally:
-        await client.aclose()
-    return took
-
-
-async def stalled_writes(group: SentinelGroup, seconds: float, lagging_recheck: float) -> list[float]:
-    """Milliseconds per write + wait, one after another for `seconds`, while the replica is stopped (still
-    connected for the master): each process's ReplicaCopy with `lagging_recheck` (0: every promise waits
-    its full timeout, as before LAGGING_RECHECK)."""
+async def timed_writes(group: SentinelGroup, writes: int | None = None, seconds: float | None = None,
+                       lagging_recheck: float = LAGGING_RECHECK) -> list[float]:
+    """Milliseconds per write + wait, one after another: `writes` of them, or as many as `seconds` allow.
+    `lagging_recheck`: the ReplicaCopy's (0: after a timed-out wait every promise still waits its full
+    timeout, as before LAGGING_RECHECK)."""
     client = redis_connection(settings_for(group))
     copies = ReplicaCopy(client, lagging_recheck=lagging_recheck)
-    took = []
+    end = time.perf_counter() + seconds if seconds is not None else math.inf
+    took: list[float] = []
     try:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while len(took) < (writes or math.inf) and time.perf_counter() < end:
             started = time.perf_counter()
-            await client.hset(f"bench:replica-wait:{len(took) % 100}", mapping={"status": "queued"})
+            await client.hset(f"bench:replica-wait:{len(took) % 100}", mapping={"status": "queued", "n": len(took)})
             await copies.wait()
             took.append((time.perf_counter() - started) * 1000)
     finally:
@@ -77,7 +63,7 @@ def main() -> None:
         with_replica = asyncio.run(timed_writes(group, args.writes))
         group.replica.send_signal(signal.SIGSTOP)
         try:
-            stalled = {recheck: asyncio.run(stalled_writes(group, args.stall_seconds, recheck))
+            stalled = {recheck: asyncio.run(timed_writes(group, seconds=args.stall_seconds, lagging_recheck=recheck))
                        for recheck in (0.0, LAGGING_RECHECK)}
         finally:
             group.replica.send_signal(signal.SIGCONT)
