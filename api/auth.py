@@ -12,9 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from redis.exceptions import RedisError
-
-from api.errors import error_body, queue_error, send_json
+from api.errors import ApiError, error_body, send_json
 from api.middleware import ASGIApp, Message, Receive, Scope, Send
 from common.tenants import KeysFileError, Tenant, TenantDirectory
 
@@ -164,11 +162,9 @@ class RateGate:
         if per_minute is None or scope["method"] != "POST" or scope["path"] not in SUBMISSIONS:
             await self.app(scope, receive, send)
             return
-        try:
-            decision = await scope["app"].state.services.queue.limiter.admit(tenant.name, per_minute,
-                                                                             tenant.limits.burst)
-        except (RedisError, OSError) as exc:
-            down = queue_error(exc)
+        try:  # a Redis error: the queue's 503, its cause in the log (api/queue_client.py Reachable)
+            decision = await scope["app"].state.services.queue.admit(tenant.name, per_minute, tenant.limits.burst)
+        except ApiError as down:
             scope["state"]["error_type"] = down.error_type
             await down.send_to(send)
             return

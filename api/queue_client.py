@@ -24,7 +24,7 @@ from api.errors import NoWorker, Overloaded, SyncJobLost, TenantLimited, queue_e
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
 from common.logs import RepeatedFailure
 from common.queue import keys
-from common.queue.limits import TenantLimiter
+from common.queue.limits import RateDecision, TenantLimiter, TenantUsage
 from common.queue.membership import Backlog, BacklogReader, WorkerInfo, fleet
 from common.queue.placement import Admission, Dispatcher, IdempotencyClaim
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
@@ -104,7 +104,7 @@ class JobQueue:
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing)
-        self.limiter = TenantLimiter(redis)
+        self._limiter = TenantLimiter(redis)
         self.backlog_reader = BacklogReader(redis, store.longest_job_seconds)
         self.written = AppendOnlyFile(redis)
         self.copied = ReplicaCopy(redis)
@@ -114,6 +114,16 @@ class JobQueue:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
         with self._reachable():
             return await fleet(self.redis)
+
+    async def admit(self, tenant: str, per_minute: int, burst: int | None) -> RateDecision:
+        """Count one submission of `tenant` against its `per_minute`, up to `burst` at once."""
+        with self._reachable():
+            return await self._limiter.admit(tenant, per_minute, burst)
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        """The tenant's jobs not yet ended and its rate used (GET /v1/limits)."""
+        with self._reachable():
+            return await self._limiter.usage(tenant)
 
     async def backlog(self, workers: list[WorkerInfo]) -> dict[str, Backlog]:
         """Each worker's jobs waiting to start (not the running ones), by worker id; one round trip."""

@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
 
 from api.auth import tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
@@ -139,8 +138,8 @@ async def _tenant_state(request: Request) -> dict[str, Any]:
         "limits": {"requests_per_minute": limits.requests_per_minute, "burst": limits.burst,
                    "max_concurrent_jobs": limits.max_concurrent_jobs, "max_queued_jobs": limits.max_queued_jobs}}
     try:
-        usage = await request.app.state.services.queue.limiter.usage(tenant.name)
-    except (RedisError, OSError):
+        usage = await request.app.state.services.queue.usage(tenant.name)
+    except ApiError:
         return {**state, "usage": None}
     per_minute = limits.requests_per_minute
     state["usage"] = {"jobs": usage.jobs, "queued_or_running_async_jobs": usage.async_jobs,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +18,18 @@ import httpx
 import pytest
 from redis import Redis
 
+from api.app import create_app as create_api
+from api.preparation import JobPreparer
+from common.prompt import PromptCompiler
 from common.queue import keys
+from common.settings import Settings
 from common.tenants import KeysFileError, TenantDirectory, parse_keys_file
+from common.tokenizer import qwen36_tokenizer
 from harness.processes import start_api, start_scripted_engine
 from harness.redis_servers import fresh_redis
 from harness.stacks import Stack, build_stack
 from harness.web import web
+from openjev.embedded_redis import RedisServer
 from tests.test_api_contract import NOUL, body
 
 pytestmark = pytest.mark.integration
@@ -93,6 +100,49 @@ def test_the_api_refuses_to_start_on_a_malformed_keys_file(tmp_path: Path, log_d
     with pytest.raises(RuntimeError) as failed:
         start_api(log_dir, {"OPENJEV_API_KEYS_FILE": str(bad), "OPENJEV_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert "line 1" in str(failed.value) and "weight" in str(failed.value)
+
+
+# --- the tenant's gate while Redis is down, in-process -------------------------------------------------
+
+async def test_while_redis_is_down_a_rate_limited_tenant_gets_503_and_the_log_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The rate gate and the tenant's usage reach Redis before any route does: while it is down they answer
+    503 (the gate) and a usage of null (GET /v1/limits), and the API's log gives the cause once, then that
+    Redis works again. The app in-process (its lifespan and middleware), a real Redis stopped and restarted."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(KEYS_FILE)
+    server = RedisServer.on(tmp_path / "redis")
+    server.start()
+    server.wait_ready()
+    settings = Settings(redis_url=server.url, api_keys_file=keys_file)
+    app = create_api(settings, JobPreparer(settings, PromptCompiler.for_tokenizer(qwen36_tokenizer())))
+    failed, back = "the job queue's Redis failed", "the job queue's Redis works again"
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://openjev", headers=auth(KEY_A)) as client:
+            assert (await client.get("/v1/limits")).json()["tenant"]["usage"]["requests_remaining"] == 5
+            server.stop()
+            with caplog.at_level(logging.INFO, logger="openjev.api"):
+                for _ in range(3):
+                    refused = await client.post("/v1/systemone", json=body("While Redis is down."))
+                    assert refused.status_code == 503, refused.text
+                    assert refused.json()["detail"]["error_type"] == "unavailable_error"
+                    assert "unreachable" in refused.json()["detail"]["message"]
+                    assert int(refused.headers["retry-after"]) >= 1
+                warnings = [r for r in caplog.records if r.getMessage().startswith(failed)]
+                assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.text  # not one each
+                assert "Error" in warnings[0].getMessage()  # the cause: the client's error, as it was raised
+                limits = await client.get("/v1/limits")
+                assert limits.status_code == 200 and limits.json()["tenant"]["usage"] is None
+                assert limits.json()["redis"] == "unreachable"
+                assert back not in caplog.text
+                server.start()
+                server.wait_ready()
+                assert (await client.get("/v1/limits")).json()["tenant"]["usage"]["requests_remaining"] == 5
+                assert sum(back in r.getMessage() for r in caplog.records) == 1, caplog.text
+    finally:
+        server.stop()
+    assert KEY_A not in caplog.text and server.password not in caplog.text
 
 
 # --- the stack ----------------------------------------------------------------------------------------

@@ -16,20 +16,24 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from common.background import cancel_and_wait
+from common.logs import RepeatedFailure
 
 
 class Subscription:
     """Hands every message on `channel` to `on_message`, resubscribing after a Redis error: first
     after `retry_delay` seconds, doubling up to `max_retry_delay` while the errors go on. `fallback`
-    says in the log what covers the gap."""
+    says in the log what covers the gap; the log has the first failure, then one every `log_interval` s at
+    most, and a line once it is subscribed again (common/logs.py RepeatedFailure)."""
 
     def __init__(self, redis: Redis, channel: str, on_message: Callable[[bytes], None], *, fallback: str,
-                 log: logging.Logger, retry_delay: float = 0.5, max_retry_delay: float = 30.0) -> None:
+                 log: logging.Logger, retry_delay: float = 0.5, max_retry_delay: float = 30.0,
+                 log_interval: float = 10.0) -> None:
         self.redis = redis
         self.channel = channel
         self._on_message = on_message
         self._fallback = fallback
         self._log = log
+        self._failures = RepeatedFailure(log, f"subscription to {channel}", log_interval)
         self._retry_delay = retry_delay
         self._max_retry_delay = max_retry_delay
         self._pubsub: PubSub | None = None
@@ -41,8 +45,13 @@ class Subscription:
         try:
             self._pubsub = await self._subscribe()
         except (RedisError, OSError) as exc:
-            self._log.warning("not subscribed to %s (%r); %s; retrying", self.channel, exc, self._fallback)
+            self._failures.failed(exc, f"{self._fallback}; retrying in {self._retry_delay:g} s")
         self._task = asyncio.create_task(self._listen(), name=f"listen {self.channel}")
+
+    @property
+    def failures(self) -> int:
+        """Failed tries to subscribe or listen since the last time it subscribed (0 while it listens)."""
+        return self._failures.failures
 
     def stop(self) -> None:
         """Hand on nothing more."""
@@ -82,12 +91,12 @@ class Subscription:
             try:
                 if self._pubsub is None:
                     self._pubsub = await self._subscribe()
-                async for message in self._pubsub.listen():
+                    self._failures.succeeded()
                     delay = self._retry_delay
+                async for message in self._pubsub.listen():
                     self._hand_on(message["data"])
             except (RedisError, OSError) as exc:
-                self._log.warning("subscription to %s lost (%r), resubscribing in %.1f s; %s",
-                                  self.channel, exc, delay, self._fallback)
+                self._failures.failed(exc, f"{self._fallback}; resubscribing in {delay:g} s")
                 await self._drop()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._max_retry_delay)
