@@ -45,6 +45,7 @@ def test_a_failure_repeated_every_second_warns_once_then_every_ten_seconds_and_s
             now[0] += 1.0
         failures.succeeded()
         failures.succeeded()  # nothing more to say
+        now[0] += 10.0
         failures.failed(ConnectionError("again"))  # a new outage warns at once
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert lines == [
@@ -55,6 +56,29 @@ def test_a_failure_repeated_every_second_warns_once_then_every_ten_seconds_and_s
                     "the next beat tries again"),
         ("INFO", "heartbeat works again after 25 failures in 25.0 s"),
         ("WARNING", "heartbeat failed (ConnectionError('again'))"),
+    ]
+
+
+def test_a_failure_that_flaps_with_successes_warns_at_the_same_pace(caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis near its maxmemory refuses a write, takes the next: the successes between do not start the
+    warnings over. 30 s of a failure and a success each second: one warning and its recovery line per 10 s,
+    where a warning and a recovery line each second would come without the pace kept across successes."""
+    now = [100.0]
+    failures = RepeatedFailure(logging.getLogger("openjev.test"), "store", interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="openjev.test"):
+        for _ in range(30):
+            failures.failed(ConnectionError("OOM"))
+            now[0] += 0.5
+            failures.succeeded()
+            now[0] += 0.5
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("WARNING", "store failed (ConnectionError('OOM'))"),
+        ("INFO", "store works again after 1 failures in 0.5 s"),
+        ("WARNING", "store failed (ConnectionError('OOM'); 10 more failures in 10 s, working again 9 times between)"),
+        ("INFO", "store works again after 1 failures in 0.5 s"),
+        ("WARNING", "store failed (ConnectionError('OOM'); 10 more failures in 10 s, working again 9 times between)"),
+        ("INFO", "store works again after 1 failures in 0.5 s"),
     ]
 
 

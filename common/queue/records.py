@@ -35,7 +35,7 @@ SYNC_ANSWERED_KEEP = 15
 # notice, so a bigger one (hundreds of options on many questions) is announced bare and read back.
 NOTICE_OUTCOME_MAX = 64 * 1024
 STORE_RETRY_DELAY = 0.25  # seconds between tries of an outcome store while Redis is unreachable
-STORE_RETRY_LOG_INTERVAL = 10.0  # seconds between a job's warnings that its store is still refused
+STORE_RETRY_LOG_INTERVAL = 10.0  # seconds between a process's warnings that Redis still refuses outcomes
 
 # The record's writes made from other modules' scripts, as Lua functions those scripts include (placement.py's
 # submit, leases.py's move, reruns.py's rerun), so that every write of a job's record is written here.
@@ -200,21 +200,25 @@ class JobStore:
         self._store = redis.register_script(_STORE)
         self._cancel = redis.register_script(_CANCEL)
         self._collect = redis.register_script(_COLLECT)
+        # One for every job of the process: jobs that end together while Redis is down or full give one
+        # warning between them, not one each.
+        self._store_failures = RepeatedFailure(log, "storing a job's outcome", STORE_RETRY_LOG_INTERVAL)
 
     async def store(self, arq_job_id: str, outcome: JobOutcome, give_up_at: float) -> bool:
         """Store the outcome if `arq_job_id` is still the job's placement and it has not ended; True
         when stored. Retries while Redis is unreachable or full, until `give_up_at` (time.monotonic()),
-        with a warning at the first failure and one every STORE_RETRY_LOG_INTERVAL after."""
+        with a warning at the process's first failure and one every STORE_RETRY_LOG_INTERVAL after, whichever
+        job it is."""
         job_id = keys.job_of(arq_job_id)
         args = [arq_job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id]
-        failures = RepeatedFailure(log, f"job {job_id}: storing its outcome", STORE_RETRY_LOG_INTERVAL)
+        failures = self._store_failures
         while True:
             try:
                 stored = bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
             except (RedisError, OSError) as exc:
                 if time.monotonic() >= give_up_at:
                     raise
-                failures.failed(exc, f"retrying every {STORE_RETRY_DELAY:g} s until its deadline")
+                failures.failed(exc, f"job {job_id} tries again every {STORE_RETRY_DELAY:g} s until its deadline")
                 await asyncio.sleep(STORE_RETRY_DELAY)
                 continue
             failures.succeeded()
