@@ -30,6 +30,7 @@ from harness.sentinels import SentinelGroup, settings_for
 from harness.stacks import final_statuses, stack_env
 from harness.web import web
 from tests.test_api_contract import NOUL, body
+from tests.test_logs import events
 
 pytestmark = pytest.mark.integration
 
@@ -236,3 +237,78 @@ def test_a_password_in_the_url_wins_over_openjev_redis_password() -> None:
     assert password(redis_url="redis://h:6379/0", redis_password="apart") == "apart"
     assert password(redis_url="redis://h:6379/0", redis_password="apart", redis_sentinels="s:26379") == "apart"
     assert password(redis_url="redis://h:6379/0") is None
+
+
+def test_a_full_redis_that_fails_over_refuses_out_loud_and_loses_no_accepted_job(
+        failover_stack: FailoverStack, sentinel_group: SentinelGroup) -> None:
+    """Master and replica at their maxmemory (noeviction) when the master is killed: each submission is
+    accepted or refused 503 with Retry-After (full, or unreachable while the Sentinels promote the replica),
+    once the new master's limit is lifted the next is accepted, and every accepted job is answered once.
+    The API's warnings keep their pace while the full Redis takes some placements and refuses others."""
+    stack = failover_stack
+    stack.script(delay=0.5)  # the worker's four slots stay busy: jobs pile up in the queue
+
+    def submit(i: int) -> httpx.Response:
+        return web.post(stack.url + "/v1/jobs", timeout=30, json=body(
+            {"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60))
+
+    def accepted_or_refused_out_loud(response: httpx.Response) -> str:
+        if response.status_code == 202:
+            return "accepted"
+        assert response.status_code == 503, response.text
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["detail"]["error_type"] == "unavailable_error"
+        return response.json()["detail"]["message"].split(" (")[0].split(";")[0]
+
+    master = sentinel_group.client(sentinel_group.master_port)
+    replica = sentinel_group.client(sentinel_group.replica_port)
+    for server in (master, replica):
+        server.config_set("maxmemory", master.info("memory")["used_memory"] + 300_000)
+    job_ids: list[str] = []
+    first_full = None
+    for i in range(2000):
+        response = submit(i)
+        if response.status_code != 202:
+            first_full = accepted_or_refused_out_loud(response)
+            break
+        job_ids.append(response.json()["id"])
+    assert first_full == "the job queue is full", first_full
+    full_at = time.monotonic()
+
+    os.kill(sentinel_group.master.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    sentinel_group.master.wait(10)
+    seen: Counter[str] = Counter()
+    while time.monotonic() - killed_at < 10.0 or sentinel_group.current_master() != sentinel_group.replica_port:
+        assert time.monotonic() - killed_at < 30, f"no promotion within 30 s: {sentinel_group.events()}"
+        response = submit(len(job_ids) + sum(seen.values()))
+        seen[accepted_or_refused_out_loud(response)] += 1
+        if response.status_code == 202:
+            job_ids.append(response.json()["id"])
+        time.sleep(0.1)
+    assert seen["the job queue is full"] > 0, seen  # the promoted replica holds the same jobs, and its limit
+    refused_for = time.monotonic() - full_at
+
+    replica.config_set("maxmemory", 0)  # the operator lifts the new master's limit
+    response = answered_async(submit, len(job_ids) + sum(seen.values()), timeout=20)
+    job_ids.append(response.json()["id"])
+    stack.script(delay=0.02)
+    assert final_statuses(stack.url, job_ids) == ["succeeded"] * len(job_ids)
+    stored = stored_outcomes(stack.worker)
+    assert {job_id: stored[job_id] for job_id in job_ids} == dict.fromkeys(job_ids, 1)  # none stored twice
+    assert stack.worker.alive() and stack.api.alive()
+    warned = [e["message"] for e in events(stack.api.output())
+              if e.get("level") == "warning" and e["message"].startswith("the job queue's Redis failed")]
+    assert 1 <= len(warned) <= 2 + refused_for // 10, (refused_for, seen, warned)
+    print(f"\nfull through a failover: {len(job_ids)} accepted jobs succeeded; submissions after the kill: "
+          f"{dict(seen)}; {len(warned)} warnings in the API's log over {refused_for:.1f} s")
+
+
+def answered_async(submit: Any, i: int, timeout: float) -> httpx.Response:
+    """The first 202 to `submit(i)`, sent again after each 503 (which must carry Retry-After)."""
+    deadline = time.monotonic() + timeout
+    while (response := submit(i)).status_code != 202:
+        assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1, response.text
+        assert time.monotonic() < deadline, f"not accepted within {timeout:g} s: {response.text}"
+        time.sleep(0.2)
+    return response
