@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import redis
@@ -118,6 +119,13 @@ class SentinelGroup:
             events = [line for line in self.log(i).splitlines() if " # " in line or " * " in line][-last:]
             parts.append(f"sentinel {i}:\n" + "\n".join(events))
         return "\n".join(parts)
+
+    def switched_at(self) -> float | None:
+        """When a Sentinel first named a new master (its log's "+switch-master" line), in epoch seconds; None
+        before any did. Redis stamps its log lines with the local time, to the millisecond."""
+        stamps = [line.split(" ", 1)[1].split(" # ")[0] for i in range(len(self.sentinel_ports))
+                  for line in self.log(i).splitlines() if "+switch-master" in line]
+        return min((datetime.strptime(stamp, "%d %b %Y %H:%M:%S.%f").timestamp() for stamp in stamps), default=None)
 
     def current_master(self, sentinel: int = 0) -> int:
         """The master's port, as Sentinel `sentinel` names it."""

