@@ -73,9 +73,10 @@ class RepeatedFailure:
         self._warned_total = 0  # failures reported, by a warning or by an announced run's end
         self._quiet_recoveries = 0  # unannounced runs of failures ended since the last warning
 
-    def failed(self, error: BaseException, next_try: str = "") -> None:
-        """Count one failure; warn unless a warning was given in the last `interval` s.
-        `next_try`: when it is tried again, as a clause ("the next look, in 0.5 s, tries again")."""
+    def failed(self, error: object, next_try: str = "") -> None:
+        """Count one failure; warn unless a warning was given in the last `interval` s. `error`: the exception,
+        or what the failure was (shown by its repr); `next_try`: when it is tried again, or what else to
+        know, as a clause ("the next look, in 0.5 s, tries again")."""
         now = self.clock()
         self.failures += 1
         self._total += 1

@@ -16,6 +16,7 @@ from common.queue import keys
 from harness.processes import start_scripted_engine
 from harness.stacks import Stack, isolated_scripted_stack
 from harness.web import web
+from tests.test_logs import events
 from worker.engine_health import EngineHealth, HealthPolicy, Probe
 
 FAST = HealthPolicy(interval=0.1, timeout=0.5)
@@ -189,6 +190,7 @@ def test_an_engine_answering_calls_while_its_health_says_503_stays_routed(model_
     with isolated_scripted_stack(model_dir, log_dir, OPENJEV_ENGINE_HEALTH_TIMEOUT="1",
                                  OPENJEV_ENGINE_HEALTH_INTERVAL="0.2") as stack:
         stack.script(healthy=False)
+        started = time.monotonic()
         client = redis.Redis.from_url(stack.redis_url)
         try:
             samples, end, i = [], time.monotonic() + 10, 0
@@ -200,8 +202,16 @@ def test_an_engine_answering_calls_while_its_health_says_503_stays_routed(model_
             assert i > 10 and all(s.engine_ok for s in samples)
             # With no calls any more, the 503s are all there is: the engine counts as hung.
             assert stack.workers[0].process.wait(30) == 3
+            took = time.monotonic() - started
         finally:
             client.close()
+        # A probe failed every 0.2 s throughout: the log has a warning every 10 s with the count, not one a probe,
+        # and the engine's leaving routing once calls stopped.
+        messages = [e["message"] for e in events(stack.workers[0].output()) if e.get("level") == "warning"]
+        warned = [m for m in messages if m.startswith("engine health probe")]
+        assert 1 <= len(warned) <= 2 + took // 10, (took, len(warned), warned[:3])
+        assert warned[0] == "engine health probe failed ('unhealthy'); routed: True", warned
+        assert "engine taken out of routing after a probe unhealthy" in messages, messages
 
 
 @pytest.mark.integration

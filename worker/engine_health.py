@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from common.logs import RepeatedFailure
 from worker.engine_http import TRANSPORT_ERRORS, CallTimeout, EngineHttp
 
 log = logging.getLogger("openjev.worker")
@@ -69,6 +70,9 @@ class EngineHealth:
         # busy: it is there and answering): the worker starts no job meanwhile.
         self.answering = asyncio.Event()
         self.answering.set()
+        # A busy SGLang fails its probes for minutes while it answers the jobs' calls: a warning every 10 s
+        # with the count, not one a probe; a change of routing is logged at once.
+        self._probe_failures = RepeatedFailure(log, "engine health probe")
 
     async def probe(self) -> Probe:
         """Probe `/health` once and record the result."""
@@ -121,9 +125,15 @@ class EngineHealth:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._recheck.wait(), self.policy.interval)
             self._recheck.clear()
+            routed = self.routable
             result = await self.probe()
-            if result is not Probe.healthy:
-                log.warning("engine health probe: %s (routed: %s)", result.value, self.routable)
+            if result is Probe.healthy:
+                self._probe_failures.succeeded()
+            else:
+                self._probe_failures.failed(result.value, f"routed: {self.routable}")
+            if self.routable != routed:
+                log.log(logging.INFO if self.routable else logging.WARNING, "engine %s routing after a probe %s",
+                        "back in" if self.routable else "taken out of", result.value)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -106,11 +106,12 @@ async def _keep_alive(state: WorkerState) -> None:
     process holds its lease."""
     health, info = state.health, state.info
     failures = RepeatedFailure(log, "heartbeat")
+    moves = RepeatedFailure(log, "moving vanished workers' jobs")  # tried again at each beat that sees them
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
         try:
-            await _beat(state)
+            await _beat(state, moves)
             failures.succeeded()
         except LeaseTaken as exc:
             log.error("%s; worker %s stops", exc, info.id)
@@ -126,7 +127,7 @@ async def _keep_alive(state: WorkerState) -> None:
             return
 
 
-async def _beat(state: WorkerState) -> None:
+async def _beat(state: WorkerState, moves: RepeatedFailure) -> None:
     info = state.info
     try:
         silent = await beat(state.redis, info, state.lease)
@@ -135,14 +136,17 @@ async def _beat(state: WorkerState) -> None:
         return
     reaping = state.tasks.get("reaping")
     if silent and info.engine_ok and (reaping is None or reaping.done()):
-        state.tasks["reaping"] = asyncio.create_task(_reap(state.redis))  # a long move must not delay the next beat
+        # A long move must not delay the next beat.
+        state.tasks["reaping"] = asyncio.create_task(_reap(state.redis, moves))
 
 
-async def _reap(redis: Redis) -> None:
+async def _reap(redis: Redis, moves: RepeatedFailure) -> None:
     try:
         await reap_vanished_workers(redis)
-    except (RedisError, OSError) as exc:  # the next beat sees the silent members again
-        log.warning("moving vanished workers' jobs failed: %r", exc)
+    except (RedisError, OSError) as exc:
+        moves.failed(exc, "the next beat that sees them tries again")
+    else:
+        moves.succeeded()
 
 
 def build_worker(settings: Settings) -> Worker:
