@@ -17,10 +17,11 @@ import redis
 
 from common.queue import keys
 from common.queue.membership import HEARTBEAT_INTERVAL, LIVENESS_WINDOW
-from harness.processes import Proc, start_scripted_engine, start_worker
+from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.redis_servers import fresh_redis
-from harness.stacks import Stack, build_stack
+from harness.stacks import Stack, build_stack, final_statuses, stack_env
 from harness.web import web
+from openjev.embedded_redis import RedisServer
 from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
 from tests.test_logs import events
@@ -128,3 +129,73 @@ def test_a_worker_paused_past_its_lease_stores_nothing_and_its_engine_calls_are_
     finally:
         notices.close()
         stack.script(slow_rid_infix=None, slow_delay=0.0)
+
+
+def test_after_a_redis_outage_the_first_worker_back_moves_only_a_dead_workers_jobs(
+        model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
+    """Redis away past the lease (every worker's lapses alike), two workers with queued jobs: one worker that
+    beats again 3 s after Redis returns keeps its jobs (the other gives it a liveness window after its own
+    return before it takes silence for death); one killed during a second outage has its jobs moved."""
+    server = RedisServer.on(tmp_path / "redis")
+    server.start()
+    server.wait_ready()
+    engine = start_scripted_engine(log_dir)
+    assert engine.url
+    env = stack_env(server.url, model_dir, OPENJEV_MAX_CONCURRENT_REQUESTS="2", OPENJEV_JOB_TIMEOUT="300")
+    w1, w2 = start_worker(log_dir, env, engine.url, "w1"), start_worker(log_dir, env, engine.url, "w2")
+    api = start_api(log_dir, env)
+    try:
+        web.post(f"{engine.url}/script", json={"delay": 0.3}, timeout=5).raise_for_status()
+
+        def queue_jobs(round_: int) -> list[str]:
+            """Async jobs until both workers have some queued; their ids."""
+            ids = []
+            for i in range(200):
+                r = web.post(api.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Round {round_}, ticket {i}"),
+                             timeout=30)
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["id"])
+                if len(ids) >= 20 and all(queued(server.url, w) >= 3 for w in ("w1", "w2")):
+                    return ids
+            raise AssertionError("the jobs did not spread over both workers")
+
+        def outage() -> None:
+            """Redis away for longer than a lease (LIVENESS_WINDOW), as a restart on its data dir would be."""
+            server.stop()
+            down = time.monotonic()
+            while time.monotonic() - down < LIVENESS_WINDOW + 2:  # the outage itself is what is tested
+                time.sleep(0.1)
+
+        first = queue_jobs(1)
+        outage()
+        w2.process.send_signal(signal.SIGSTOP)  # w2 comes back late: 3 s after Redis
+        server.start()
+        server.wait_ready()
+        returned = time.monotonic()
+        try:
+            while time.monotonic() - returned < 3.0:
+                time.sleep(0.1)
+        finally:
+            w2.process.send_signal(signal.SIGCONT)
+        assert final_statuses(api.url, first) == ["succeeded"] * len(first)
+        assert "from vanished worker w2" not in w1.output(), w1.output()[-2000:]
+
+        web.post(f"{engine.url}/script", json={"delay": 2.0}, timeout=5).raise_for_status()
+        second = queue_jobs(2)
+        outage()
+        w2.process.kill()  # dies during the outage: its jobs must still move once Redis returns
+        w2.process.wait(10)
+        server.start()
+        server.wait_ready()
+        web.post(f"{engine.url}/script", json={"delay": 0.05}, timeout=5).raise_for_status()
+        wait_until(lambda: "from vanished worker w2" in w1.output(), 30, "w1 moving the dead w2's jobs")
+        assert final_statuses(api.url, second) == ["succeeded"] * len(second)
+    finally:
+        for proc in (api, w1, w2, engine):
+            proc.stop()
+        server.stop()
+
+
+def queued(redis_url: str, worker_id: str) -> int:
+    with redis.Redis.from_url(redis_url) as client:
+        return client.zcard(keys.queue_name(worker_id))

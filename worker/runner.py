@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from common.queue import keys
 from common.queue.leases import Lease, LeaseLapsed, LeaseTaken, beat, reap_vanished_workers, resume_own_jobs
 from common.queue.membership import (
     HEARTBEAT_INTERVAL,
+    LIVENESS_WINDOW,
     RESTING_HEARTBEAT_INTERVAL,
     WorkerInfo,
     heartbeat,
@@ -107,11 +109,23 @@ async def _keep_alive(state: WorkerState) -> None:
     health, info = state.health, state.info
     failures = RepeatedFailure(log, "heartbeat")
     moves = RepeatedFailure(log, "moving vanished workers' jobs")  # tried again at each beat that sees them
+    # Since when the beats have gone through on time. A beat that failed, waited for Redis (its client retries
+    # through an outage: over half a liveness window) or found its own lease lapsed means Redis was away for
+    # every worker alike, and the others come back at their own pace (a backoff, a beat interval): until one
+    # liveness window has passed, their silence is not taken for death, so the first worker back does not move
+    # the jobs of the rest (a Redis restart once moved 25 jobs of a worker that beat again 3 s after Redis did).
+    steady_since = -math.inf
     while True:
         await asyncio.sleep(HEARTBEAT_INTERVAL if info.running else RESTING_HEARTBEAT_INTERVAL)
         info.engine_ok = health.routable
+        started = time.monotonic()
         try:
-            await _beat(state, moves)
+            silent = await _beat(state)
+            now = time.monotonic()
+            if failures.failures or silent is None or now - started > LIVENESS_WINDOW / 2:
+                steady_since = now
+            elif silent and now - steady_since >= LIVENESS_WINDOW:
+                _move_jobs_of_silent(state, moves)
             failures.succeeded()
         except LeaseTaken as exc:
             log.error("%s; worker %s stops", exc, info.id)
@@ -127,16 +141,20 @@ async def _keep_alive(state: WorkerState) -> None:
             return
 
 
-async def _beat(state: WorkerState, moves: RepeatedFailure) -> None:
-    info = state.info
+async def _beat(state: WorkerState) -> list[str] | None:
+    """One beat: the silent members it saw, or None when its own lease had lapsed (then taken back)."""
     try:
-        silent = await beat(state.redis, info, state.lease)
+        return await beat(state.redis, state.info, state.lease)
     except LeaseLapsed:
         await take_back(state.lease, state.running, state.store)  # raises LeaseTaken if it is not ours now
-        return
+        return None
+
+
+def _move_jobs_of_silent(state: WorkerState, moves: RepeatedFailure) -> None:
+    """Move the jobs of silent members whose leases lapsed, in the background: a long move must not delay the
+    next beat. Not while this worker's engine is out (it would take none of them), nor twice at once."""
     reaping = state.tasks.get("reaping")
-    if silent and info.engine_ok and (reaping is None or reaping.done()):
-        # A long move must not delay the next beat.
+    if state.info.engine_ok and (reaping is None or reaping.done()):
         state.tasks["reaping"] = asyncio.create_task(_reap(state.redis, moves))
 
 
