@@ -91,7 +91,7 @@ class RepeatedFailure:
             since.append(f"{self.failures} in {now - self._first_at:.0f} s")
         if self._quiet_recoveries:
             since.append(f"working again {self._quiet_recoveries} times between")
-        detail = "".join(f"; {part}" if i == 0 else f", {part}" for i, part in enumerate(since))
+        detail = "; " + ", ".join(since) if since else ""
         self.logger.warning("%s failed (%r%s)%s", self.what, error, detail, f"; {next_try}" if next_try else "")
         self._warned_at, self._warned_total, self._quiet_recoveries = now, self._total, 0
         self._announced = True

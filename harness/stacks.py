@@ -114,12 +114,13 @@ def final_statuses(api_url: str, job_ids: list[str], timeout: float = 180.0) -> 
         return list(pool.map(final, job_ids))
 
 
-def answered(api_url: str, request: Any, timeout: float = 60.0) -> httpx.Response:
-    """The first answer to a sync request that is not a 503, asking again after each 503 (Redis restarting
-    or full, or no worker live yet), which must carry Retry-After; the last 503 once `timeout` has passed."""
+def answered(api_url: str, request: Any, timeout: float = 60.0, path: str = "/v1/systemone") -> httpx.Response:
+    """The first answer to a request (sync by default; `path="/v1/jobs"` for an async one) that is not a 503,
+    asking again after each 503 (Redis restarting or full, or no worker live yet), which must carry
+    Retry-After; the last 503 once `timeout` has passed."""
     deadline = time.monotonic() + timeout
     while True:
-        response = web.post(api_url + "/v1/systemone", json=request, timeout=30)
+        response = web.post(api_url + path, json=request, timeout=30)
         if response.status_code != 503 or time.monotonic() > deadline:
             return response
         assert int(response.headers["retry-after"]) >= 1

@@ -27,7 +27,7 @@ from common.redis_connection import redis_connection
 from common.settings import Settings
 from harness.processes import Proc, start_api, start_scripted_engine, start_worker
 from harness.sentinels import SentinelGroup, settings_for
-from harness.stacks import final_statuses, stack_env
+from harness.stacks import answered, final_statuses, stack_env
 from harness.web import web
 from tests.test_api_contract import NOUL, body
 from tests.test_logs import events
@@ -260,9 +260,11 @@ def test_a_full_redis_that_fails_over_refuses_out_loud_and_loses_no_accepted_job
     stack = failover_stack
     stack.script(delay=0.5)  # the worker's four slots stay busy: jobs pile up in the queue
 
+    def request(i: int) -> dict[str, Any]:
+        return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
+
     def submit(i: int) -> httpx.Response:
-        return web.post(stack.url + "/v1/jobs", timeout=30, json=body(
-            {"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60))
+        return web.post(stack.url + "/v1/jobs", json=request(i), timeout=30)
 
     def accepted_or_refused_out_loud(response: httpx.Response) -> str:
         if response.status_code == 202:
@@ -302,7 +304,8 @@ def test_a_full_redis_that_fails_over_refuses_out_loud_and_loses_no_accepted_job
     refused_for = time.monotonic() - full_at
 
     replica.config_set("maxmemory", 0)  # the operator lifts the new master's limit
-    response = answered_async(submit, len(job_ids) + sum(seen.values()), timeout=20)
+    response = answered(stack.url, request(len(job_ids) + sum(seen.values())), timeout=20, path="/v1/jobs")
+    assert response.status_code == 202, response.text
     job_ids.append(response.json()["id"])
     stack.script(delay=0.02)
     assert final_statuses(stack.url, job_ids) == ["succeeded"] * len(job_ids)
@@ -314,13 +317,3 @@ def test_a_full_redis_that_fails_over_refuses_out_loud_and_loses_no_accepted_job
     assert 1 <= len(warned) <= 2 + refused_for // 10, (refused_for, seen, warned)
     print(f"\nfull through a failover: {len(job_ids)} accepted jobs succeeded; submissions after the kill: "
           f"{dict(seen)}; {len(warned)} warnings in the API's log over {refused_for:.1f} s")
-
-
-def answered_async(submit: Any, i: int, timeout: float) -> httpx.Response:
-    """The first 202 to `submit(i)`, sent again after each 503 (which must carry Retry-After)."""
-    deadline = time.monotonic() + timeout
-    while (response := submit(i)).status_code != 202:
-        assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1, response.text
-        assert time.monotonic() < deadline, f"not accepted within {timeout:g} s: {response.text}"
-        time.sleep(0.2)
-    return response

@@ -211,17 +211,17 @@ class JobStore:
         job it is."""
         job_id = keys.job_of(arq_job_id)
         args = [arq_job_id, outcome.status.value, outcome.model_dump_json(), self.result_ttl, job_id]
-        failures = self._store_failures
         while True:
             try:
                 stored = bool(await self._store(keys=[keys.job_key(job_id), keys.DONE_CHANNEL], args=args))
             except (RedisError, OSError) as exc:
                 if time.monotonic() >= give_up_at:
                     raise
-                failures.failed(exc, f"job {job_id} tries again every {STORE_RETRY_DELAY:g} s until its deadline")
+                self._store_failures.failed(
+                    exc, f"job {job_id} tries again every {STORE_RETRY_DELAY:g} s until its deadline")
                 await asyncio.sleep(STORE_RETRY_DELAY)
                 continue
-            failures.succeeded()
+            self._store_failures.succeeded()
             return stored
 
     async def placements(self, arq_job_ids: list[str]) -> list[bool]:
