@@ -67,7 +67,8 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         app.state.services = Services(
             settings=settings,
             preparer=preparer or build_preparer(settings),
-            queue=JobQueue(redis, store, waiter, settings.route_load_factor, settings.routing),
+            queue=JobQueue(redis, store, waiter, settings.route_load_factor, settings.routing,
+                           settings.redis_headroom),
             started_at=time.time(),
         )
         try:

@@ -93,12 +93,13 @@ class QueueUnavailable(ApiError, status=503, error_type="unavailable_error"):
 
 
 class QueueFull(ApiError, status=503, error_type="unavailable_error"):
-    """The queue's Redis is at its maxmemory (noeviction): it takes no new job until finished jobs' keys expire
-    or its limit is raised; the jobs it holds still run."""
+    """The queue's Redis is at its maxmemory (noeviction), or within the headroom kept below it for the jobs it
+    holds (OPENJEV_REDIS_HEADROOM): it takes no new job until finished jobs' keys expire or its limit is
+    raised; the jobs it holds still run."""
 
     def __init__(self) -> None:
-        super().__init__("the job queue is full (its Redis is at its maxmemory) and takes no new jobs; retry "
-                         "shortly", {"Retry-After": "5"})
+        super().__init__("the job queue is full (its Redis is at its maxmemory, less the room kept for the jobs it "
+                         "holds) and takes no new jobs; retry shortly", {"Retry-After": "5"})
 
 
 def queue_error(error: BaseException) -> ApiError:

@@ -20,7 +20,7 @@ from arq.jobs import serialize_job
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from api.errors import NoWorker, Overloaded, SyncJobLost, TenantLimited, queue_error
+from api.errors import NoWorker, Overloaded, QueueFull, SyncJobLost, TenantLimited, queue_error
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
 from common.logs import RepeatedFailure
 from common.queue import keys
@@ -98,12 +98,13 @@ class JobQueue:
     """Places evaluation jobs on the routed worker's queue, waits for their outcome, ends them."""
 
     def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25,
-                 routing: RoutingPolicy = RoutingPolicy.hash) -> None:
-        """`load_factor`: c of the bounded-load fallback; `routing`: hash (production) or round_robin."""
+                 routing: RoutingPolicy = RoutingPolicy.hash, headroom: float = 0.0) -> None:
+        """`load_factor`: c of the bounded-load fallback; `routing`: hash (production) or round_robin;
+        `headroom`: the share of Redis's maxmemory left to the jobs already placed (no new job past the rest)."""
         self.redis = redis
         self.store = store
         self.waiter = waiter
-        self.dispatcher = Dispatcher(redis, load_factor, routing)
+        self.dispatcher = Dispatcher(redis, load_factor, routing, headroom)
         self._limiter = TenantLimiter(redis)
         self.backlog_reader = BacklogReader(redis, store.longest_job_seconds)
         self.written = AppendOnlyFile(redis)
@@ -159,6 +160,8 @@ class JobQueue:
             limit, value = placed.limited
             raise TenantLimited(f"tenant {admission.tenant!r} is at its limit {limit} = {value}; retry once one of "
                                 "its jobs has ended", {"Retry-After": "1"})
+        if placed.full:
+            raise QueueFull()
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
         default_factory=list, description="host:port,... of the Sentinels that name the Redis master; when set, "
         "OPENJEV_REDIS_URL gives only the password and database, and every process follows a failover.")
     redis_sentinel_master: str = Field(default="openjev", description="The master's name at the Sentinels.")
+    redis_headroom: float = Field(
+        default=0.1, ge=0, lt=1, description="The share of Redis's maxmemory kept for the jobs already accepted to "
+        "start and end: past the rest the API takes no new job (503, the queue is full). 0: new jobs until Redis "
+        "refuses a write, when accepted jobs wait for keys to expire or the limit to be raised.")
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(

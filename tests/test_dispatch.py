@@ -132,3 +132,25 @@ async def test_an_idempotency_key_is_claimed_with_the_placement_and_only_then(re
     assert again == Placement(held="job_first:d1")
     assert not await redis.exists(keys.job_key("job_second"))
     assert await redis.zrange(info.queue, 0, -1) == [b"job_first.1"]
+
+
+async def test_a_redis_within_the_headroom_of_its_maxmemory_places_nothing_and_writes_nothing(redis: Redis) -> None:
+    info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
+                      started_at=time.time())
+    await heartbeat(redis, info)
+    memory = await redis.info("memory")
+    limit = memory["used_memory"] * 2  # used: half of maxmemory, the rest free
+    claim = IdempotencyClaim("retry-me", "d1")
+    await redis.config_set("maxmemory", limit)
+    try:
+        written = set(await redis.keys("*"))
+        full = await place(Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.6), "job_full", "k", 30.0, claim)
+        assert full == Placement(full=True)  # 0.6 kept: only 0.4 of maxmemory is the placements'
+        assert set(await redis.keys("*")) == written  # no record, no arq job, no key held, no clock moved
+        placed = await place(Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.4), "job_room", "k", 30.0, claim)
+        assert placed.queue == info.queue
+        await redis.config_set("maxmemory", 0)  # no limit: the headroom is of nothing
+        unlimited = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.99)
+        assert (await place(unlimited, "job_unlimited", "k", 30.0)).queue == info.queue
+    finally:
+        await redis.config_set("maxmemory", 0)

@@ -69,3 +69,51 @@ def test_a_full_redis_refuses_new_jobs_with_a_503_and_the_worker_rides_it_out(st
         assert "Traceback" not in stack.workers[0].output()
     finally:
         client.close()
+
+
+
+def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_kept(
+        model_dir: Path, log_dir: Path) -> None:
+    """Jobs queued until the API says the queue is full: the jobs it took all start and end while the limit
+    stays (the API stops short of it by OPENJEV_REDIS_HEADROOM, so a job's start and end have room), Redis
+    refuses no write, and once they have ended the queue takes new jobs again. Without the headroom Redis
+    refuses arq's start of every queued job (its count of tries) until keys expire: none would run.
+
+    The headroom holds the clients' buffers too (about 20 kB a connection, and the waits below open ~16
+    more): on this tiny maxmemory that takes 0.4 of it, where 0.1 of a production Redis's does."""
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REDIS_HEADROOM="0.4") as stack:
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            stack.script(delay=0.3)  # the worker's slots stay busy: the jobs pile up in its queue
+
+            def request(i: int) -> dict:
+                return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
+
+            first = web.post(stack.url + "/v1/jobs", json=request(0), timeout=30)  # Redis's first job: ~0.2 MB
+            assert first.status_code == 202, first.text
+            job_ids = [first.json()["id"]]
+            client.config_set("maxmemory", client.info("memory")["used_memory"] + 2_000_000)
+            refused = None
+            for i in range(1, 2000):
+                response = web.post(stack.url + "/v1/jobs", json=request(i), timeout=30)
+                if response.status_code != 202:
+                    refused = response
+                    break
+                job_ids.append(response.json()["id"])
+            assert refused is not None and refused.status_code == 503, refused and refused.text
+            assert "the job queue is full" in refused.json()["detail"]["message"], refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            assert len(job_ids) >= 20, len(job_ids)
+
+            stack.script(delay=0.0)
+            assert final_statuses(stack.url, job_ids, 60) == ["succeeded"] * len(job_ids)
+            assert client.config_get("maxmemory")["maxmemory"] != "0"  # nothing lifted it
+            assert int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0)) == 0  # none refused
+            after = answered(stack.url, request(len(job_ids)), 30, path="/v1/jobs")
+            assert after.status_code == 202, after.text
+            assert final_statuses(stack.url, [after.json()["id"]], 30) == ["succeeded"]
+            assert stack.workers[0].alive() and "Traceback" not in stack.workers[0].output()
+            print(f"\n{len(job_ids)} jobs queued until full, all succeeded with the limit kept")
+        finally:
+            client.config_set("maxmemory", 0)
+            client.close()

@@ -1,5 +1,6 @@
 """Submission in one step, inside Redis: one script claims the client's idempotency key (if any, per
-tenant), checks the tenant's limits (its jobs not yet ended, sync and async), reads the fleet (fresh
+tenant), checks the tenant's limits (its jobs not yet ended, sync and async) and that Redis has room past
+the jobs it holds (a headroom below its maxmemory, kept for their starts and ends), reads the fleet (fresh
 heartbeats; each worker's engine state, capacity and job time from its small routing hash; queue
 lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
 record, arq's job and the queue entry at the job's score, and wakes the worker (its queue's wake
@@ -49,9 +50,11 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 # the deadline (s), 11 arq payload (written by arq_layout.py's `arq_enqueue`), 12 idempotency key ('' for
 # none), 13 its value's digest, 14 tenant, 15 clock ttl (s), 16 lane, 17 the job's fair cost (virtual ms,
 # weighted), 18 max concurrent jobs (0: no limit), 19 max queued async jobs (0: no limit), 20 'async' or
-# 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 ... record field/value pairs.
+# 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 headroom (the share of maxmemory kept; 0: none),
+# 24 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at} | {'held', "<job id>:<digest>"} (the idempotency key is
-#      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'none'} (no worker with a
+#      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'full'} (Redis is within the
+#      headroom of its maxmemory) | {'none'} (no worker with a
 #      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
@@ -73,6 +76,18 @@ if max_jobs > 0 and redis.call('ZCOUNT', tenant_jobs, '(' .. now, '+inf') >= max
 end
 if ARGV[20] == 'async' and max_queued > 0 and redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf') >= max_queued then
   return {'limited', 'max_queued_jobs', max_queued}
+end
+
+-- Room for the jobs already taken. A Redis at its maxmemory (noeviction) refuses the writes a queued job needs
+-- to start and to end (arq's count of its tries, the claim, the outcome), so none would run until keys expire
+-- or the limit is raised: placements stop the headroom's share of maxmemory short of it.
+local headroom = tonumber(ARGV[23])
+if headroom > 0 then
+  local memory = redis.call('INFO', 'memory')
+  local limit = tonumber(string.match(memory, '\\nmaxmemory:(%d+)'))
+  if limit and limit > 0 and tonumber(string.match(memory, '\\nused_memory:(%d+)')) > limit * (1 - headroom) then
+    return {'full'}
+  end
 end
 
 local workers, weight = {}, {}
@@ -148,7 +163,7 @@ local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
 record_placed(ARGV[9], ttl, {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
                               'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline),
-                              unpack(ARGV, 23)})
+                              unpack(ARGV, 24)})
 arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
 -- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
 -- records.py, or here once its deadline has passed).
@@ -182,6 +197,7 @@ class Placement:
     held: str | None = None
     no_worker: bool = False
     soonest: float | None = None
+    full: bool = False  # Redis is within the headroom of its maxmemory
     limited: tuple[str, int] | None = None  # the tenant's limit it is at: (its name, its value)
 
 
@@ -213,11 +229,16 @@ class IdempotencyClaim:
 class Dispatcher:
     """Routes and enqueues jobs with one script call each."""
 
-    def __init__(self, redis: Redis, load_factor: float, routing: RoutingPolicy) -> None:
+    def __init__(self, redis: Redis, load_factor: float, routing: RoutingPolicy, headroom: float = 0.0) -> None:
+        """`headroom`: the share of Redis's maxmemory that placements leave to the jobs already placed (0:
+        place until Redis refuses)."""
         if load_factor < 1:
             raise ValueError(f"load_factor must be at least 1, not {load_factor}")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be at least 0 and below 1, not {headroom}")
         self.load_factor = load_factor
         self.routing = routing
+        self.headroom = headroom
         self._submit = redis.register_script(_SUBMIT)
 
     async def place(self, job_id: str, route_key: str, remaining: float, record: dict[str, str],
@@ -236,7 +257,7 @@ class Dispatcher:
             arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
             idempotency.digest if idempotency else "", tenant, keys.CLOCK_TTL, admission.lane.value,
             repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
-            "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, *fields])
+            "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, repr(self.headroom), *fields])
         verdict = reply[0]
         if verdict == b"ok":
             return Placement(queue=reply[1].decode(), created_at=float(reply[2]), deadline_at=float(reply[3]))
@@ -246,4 +267,6 @@ class Dispatcher:
             return Placement(limited=(reply[1].decode(), int(reply[2])))
         if verdict == b"none":
             return Placement(no_worker=True)
+        if verdict == b"full":
+            return Placement(full=True)
         return Placement(soonest=float(reply[1]))
