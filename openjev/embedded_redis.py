@@ -29,6 +29,10 @@ LOG_FILE = "redis.log"
 # second, by the timer. compose.yaml and deploy/ keep 10: a shared Redis with many clients and keys
 # wants its expiry and client checks at the usual pace.
 SERVE_HZ = 1
+# A cap on serve's Redis, well above what one machine's queue holds (a job's keys take a few kB, kept an hour
+# once it ends): a flood of jobs is refused with 503s (the API stops short of it, OPENJEV_REDIS_HEADROOM)
+# instead of growing Redis until the machine kills it. compose.yaml's and Kubernetes' Redis have their own.
+SERVE_MAXMEMORY = "1gb"
 PORT_FLOOR = 20000  # free_port chooses from here to the ephemeral range (32768 on Linux): clear of well-known ports
 START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which grows with the queue
 
@@ -138,7 +142,8 @@ class RedisServer:
         # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
         argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
-                "--hz", str(SERVE_HZ), "--logfile", str(self.log_path), "--loglevel", "warning", "-"]
+                "--hz", str(SERVE_HZ), "--maxmemory", SERVE_MAXMEMORY, "--logfile", str(self.log_path),
+                "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         # Its own process group: a terminal's Ctrl-C must not stop Redis before serve stops the rest.
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,

@@ -391,10 +391,11 @@ def test_compose_redis_requires_its_password(compose_redis: ComposeRedis) -> Non
 def test_compose_redis_persists_every_write_and_never_evicts(compose_redis: ComposeRedis) -> None:
     compose_redis.start()
     client = redis.Redis(port=compose_redis.port, password=compose_redis.password)
-    config = {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "protected-mode", "save", "dir")
-              for k, v in client.config_get(name).items()}
-    assert config == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction",
-                      "protected-mode": "yes", "save": "", "dir": str(compose_redis.data)}
+    config = {k: v for name in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy", "protected-mode", "save",
+                                "dir") for k, v in client.config_get(name).items()}
+    assert config == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory": str(4 * 2**30),  # the default
+                      "maxmemory-policy": "noeviction", "protected-mode": "yes", "save": "",
+                      "dir": str(compose_redis.data)}
     client.set("accepted", "job_1")
     client.close()
     compose_redis.kill()

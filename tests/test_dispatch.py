@@ -4,9 +4,11 @@ claims the idempotency key in the same step."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
+import pytest
 from redis.asyncio import Redis
 
 from common.queue import keys
@@ -154,3 +156,25 @@ async def test_a_redis_within_the_headroom_of_its_maxmemory_places_nothing_and_w
         assert (await place(unlimited, "job_unlimited", "k", 30.0)).queue == info.queue
     finally:
         await redis.config_set("maxmemory", 0)
+
+
+async def test_a_redis_that_refuses_info_places_jobs_without_the_headroom_and_the_log_says_so(
+        redis: Redis, caplog: pytest.LogCaptureFixture) -> None:
+    info = WorkerInfo(id="solo", queue=keys.queue_name("solo"), model="m", max_jobs=2, max_branches=8,
+                      started_at=time.time())
+    await heartbeat(redis, info)
+    await redis.acl_setuser("no-info", enabled=True, passwords=["+secret-of-the-test"], keys=["*"], channels=["*"],
+                            commands=["+@all", "-info"])  # a managed Redis's ACL may forbid INFO
+    where = redis.connection_pool.connection_kwargs
+    limited = Redis(host=where["host"], port=where["port"], username="no-info", password="secret-of-the-test")
+    try:
+        dispatcher = Dispatcher(limited, 1.25, RoutingPolicy.hash, headroom=0.1)
+        with caplog.at_level(logging.WARNING, logger="openjev.queue"):
+            for n in range(3):
+                assert (await place(dispatcher, f"job_{n}", "k", 30.0)).queue == info.queue
+        warned = [r.getMessage() for r in caplog.records if "refuses INFO" in r.getMessage()]
+        assert len(warned) == 1, warned  # once, and not asked again
+        assert dispatcher.headroom == 0.0
+    finally:
+        await limited.aclose()
+        await redis.acl_deluser("no-info")

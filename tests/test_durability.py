@@ -209,8 +209,8 @@ def persistence(port: int, redis_dir: Path) -> dict[str, str]:
     """The settings that make it durable, as the running server reports them (with its password)."""
     owner = redis.Redis(port=port, password=(redis_dir / "password").read_text().strip())
     try:
-        return {k: v for name in ("appendonly", "appendfsync", "maxmemory-policy", "protected-mode", "dir", "save",
-                                  "bind", "hz") for k, v in owner.config_get(name).items()}
+        return {k: v for name in ("appendonly", "appendfsync", "maxmemory", "maxmemory-policy", "protected-mode", "dir",
+                                  "save", "bind", "hz") for k, v in owner.config_get(name).items()}
     finally:
         owner.close()
 
@@ -305,8 +305,9 @@ def test_serves_redis_refuses_unauthenticated_commands_and_keeps_its_password_pr
         assert stat.S_IMODE(redis_dir.stat().st_mode) == 0o700
 
         assert persistence(port, redis_dir) == {
-            "appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction", "protected-mode": "yes",
-            "dir": str(redis_dir), "save": "", "bind": "127.0.0.1", "hz": "1"}  # its timer at 1 Hz: quiet at rest
+            "appendonly": "yes", "appendfsync": "everysec", "maxmemory": str(2**30), "maxmemory-policy": "noeviction",
+            "protected-mode": "yes", "dir": str(redis_dir), "save": "", "bind": "127.0.0.1",
+            "hz": "1"}  # its timer at 1 Hz: quiet at rest
 
         second = start_serve_expecting_failure(log_dir, engine, model_dir, redis_dir)
         assert "another Redis runs on" in second  # one Redis per data directory, said plainly

@@ -253,7 +253,7 @@ def test_the_sentinel_redis_keeps_the_readme_rules_on_persistent_volumes() -> No
     [scripts] = [doc for doc in objects("sentinel", "ConfigMap")
                  if doc["metadata"]["name"].startswith("openjev-redis-scripts-")]
     start = scripts["data"]["start-redis.sh"]
-    for rule in ("appendonly yes", "appendfsync everysec", "maxmemory-policy noeviction",
+    for rule in ("appendonly yes", "appendfsync everysec", "maxmemory 3gb", "maxmemory-policy noeviction",
                  "requirepass $REDIS_PASSWORD", "masterauth $REDIS_PASSWORD", "exec redis-server - <<CONF"):
         assert rule in start, rule
     sentinel = scripts["data"]["start-sentinel.sh"]

@@ -26,6 +26,7 @@ holds the two to the same choices."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -37,6 +38,8 @@ from common.queue.membership import LIVENESS_WINDOW
 from common.queue.records import RECORD_LUA
 from common.settings import RoutingPolicy
 from common.tenants import DEFAULT_TENANT
+
+log = logging.getLogger("openjev.queue")
 
 FAIR_ORIGIN_MS = 10**15  # scores are fair starts (virtual ms from 0) less this: far below any clock's ms, so every
 # queued job is due at once and the worker, which takes the lowest scores first, starts them in fair order (fair
@@ -52,9 +55,9 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 # weighted), 18 max concurrent jobs (0: no limit), 19 max queued async jobs (0: no limit), 20 'async' or
 # 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 headroom (the share of maxmemory kept; 0: none),
 # 24 ... record field/value pairs.
-# Reply: {'ok', queue, created_at, deadline_at} | {'held', "<job id>:<digest>"} (the idempotency key is
-#      taken) | {'limited', limit name, its value} (the tenant is at a limit) | {'full'} (Redis is within the
-#      headroom of its maxmemory) | {'none'} (no worker with a
+# Reply: {'ok', queue, created_at, deadline_at, 'noinfo' when INFO was refused or ''} | {'held',
+#      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
+#      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'none'} (no worker with a
 #      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
@@ -81,12 +84,15 @@ end
 -- Room for the jobs already taken. A Redis at its maxmemory (noeviction) refuses the writes a queued job needs
 -- to start and to end (arq's count of its tries, the claim, the outcome), so none would run until keys expire
 -- or the limit is raised: placements stop the headroom's share of maxmemory short of it.
-local headroom = tonumber(ARGV[23])
+-- A Redis whose ACL refuses INFO (a managed one's may) places without it, and says so in its reply.
+local headroom, memory = tonumber(ARGV[23]), nil
 if headroom > 0 then
-  local memory = redis.call('INFO', 'memory')
-  local limit = tonumber(string.match(memory, '\\nmaxmemory:(%d+)'))
-  if limit and limit > 0 and tonumber(string.match(memory, '\\nused_memory:(%d+)')) > limit * (1 - headroom) then
-    return {'full'}
+  memory = redis.pcall('INFO', 'memory')
+  if type(memory) == 'string' then
+    local limit = tonumber(string.match(memory, '\\nmaxmemory:(%d+)'))
+    if limit and limit > 0 and tonumber(string.match(memory, '\\nused_memory:(%d+)')) > limit * (1 - headroom) then
+      return {'full'}
+    end
   end
 end
 
@@ -181,7 +187,7 @@ for _, key in ipairs(bounded) do
   if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl + BOUND_SLACK) end
 end
 if ARGV[12] ~= '' then redis.call('SET', ARGV[12], ARGV[8] .. ':' .. ARGV[13], 'EX', ttl) end
-return {'ok', target.queue, tostring(now), tostring(deadline)}
+return {'ok', target.queue, tostring(now), tostring(deadline), (memory and type(memory) ~= 'string') and 'noinfo' or ''}
 """.replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(keys.BOUND_SLACK))
 
 
@@ -260,6 +266,10 @@ class Dispatcher:
             "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, repr(self.headroom), *fields])
         verdict = reply[0]
         if verdict == b"ok":
+            if reply[4] == b"noinfo":
+                self.headroom = 0.0  # not asked again
+                log.warning("Redis refuses INFO (its ACL): placements no longer keep OPENJEV_REDIS_HEADROOM below its "
+                            "maxmemory, and a Redis filled to it starts no queued job until keys expire")
             return Placement(queue=reply[1].decode(), created_at=float(reply[2]), deadline_at=float(reply[3]))
         if verdict == b"held":
             return Placement(held=reply[1].decode())
