@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from common.jobs import JobOutcome, JobStatus
 from common.queue.membership import BATCH_BUCKETS, Backlog, WorkerInfo
+from common.queue.placement import RedisMemory
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WORKER_FIGURES = {  # WorkerCounters field -> help text
@@ -58,6 +59,9 @@ class ApiMetrics:
         self.fleet_oldest_waiting = Gauge("openjev_fleet_oldest_waiting_seconds", "How long the oldest job waiting "
                                           "anywhere has waited", registry=r)
         self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
+        self.redis_memory = Gauge("openjev_redis_memory_bytes", "The queue's Redis memory: used, its maxmemory (0: "
+                                  "none) and admission, past which the API takes no new job (maxmemory less "
+                                  "OPENJEV_REDIS_HEADROOM); absent when Redis refuses INFO", ["kind"], registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "
@@ -113,10 +117,14 @@ class ApiMetrics:
             self.cached_tokens.inc(outcome.cached_tokens)
 
     def render(self, workers: list[WorkerInfo] | None, lengths: dict[str, int],
-               backlog: dict[str, Backlog] | None = None) -> bytes:
+               backlog: dict[str, Backlog] | None = None, memory: RedisMemory | None = None) -> bytes:
         """The exposition text; `workers` None means Redis could not be read for this scrape. `backlog`: each
-        heartbeating worker's jobs waiting to start, by worker id."""
+        heartbeating worker's jobs waiting to start, by worker id; `memory`: Redis's, and where placements stop."""
         self.redis_up.set(0 if workers is None else 1)
+        self.redis_memory.clear()
+        if memory is not None:
+            for kind, value in (("used", memory.used), ("maxmemory", memory.limit), ("admission", memory.admission)):
+                self.redis_memory.labels(kind).set(value)
         for gauge in (self.queue_depth, self.worker_running, self.worker_endings, self.waiting, self.oldest_waiting,
                       *self.worker_figures.values()):
             gauge.clear()  # workers that left must not linger as stale series

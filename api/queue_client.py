@@ -26,7 +26,7 @@ from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.limits import RateDecision, TenantLimiter, TenantUsage
 from common.queue.membership import Backlog, BacklogReader, WorkerInfo, fleet
-from common.queue.placement import Admission, Dispatcher, IdempotencyClaim
+from common.queue.placement import Admission, Dispatcher, IdempotencyClaim, RedisMemory
 from common.queue.records import SYNC_KEEP, JobRecord, JobStore
 from common.queue.replication import ReplicaCopy
 from common.queue.subscriptions import Subscription
@@ -125,6 +125,11 @@ class JobQueue:
         """The tenant's jobs not yet ended and its rate used (GET /v1/limits)."""
         with self._reachable():
             return await self._limiter.usage(tenant)
+
+    async def memory(self) -> RedisMemory | None:
+        """Redis's memory and where placements stop (/metrics); None when its ACL refuses INFO."""
+        with self._reachable():
+            return await self.dispatcher.memory()
 
     async def backlog(self, workers: list[WorkerInfo]) -> dict[str, Backlog]:
         """Each worker's jobs waiting to start (not the running ones), by worker id; one round trip."""

@@ -183,11 +183,12 @@ async def metrics(request: Request) -> Response:
     try:
         members = await services.queue.fleet()
         backlog = await services.queue.backlog([w for w, _ in members])
+        memory = await services.queue.memory()
     except ApiError:
         return Response(request.app.state.metrics.render(None, {}), media_type=CONTENT_TYPE_LATEST)
     live = [w for w, _ in members if w.engine_ok]
     lengths = {w.id: n for w, n in members}
-    return Response(request.app.state.metrics.render(live, lengths, backlog), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.render(live, lengths, backlog, memory), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/health/live", tags=["Operations"], summary="Liveness: the process answers")

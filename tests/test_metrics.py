@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.queue.membership import RESTING_HEARTBEAT_INTERVAL
@@ -54,6 +55,11 @@ def test_metrics_count_requests_stages_queue_and_worker_figures(scripted_stack: 
     assert m[("openjev_worker_jobs_done", (("worker", "w0"),))] >= 2
     assert m[("openjev_worker_branch_prompt_tokens", (("worker", "w0"),))] > 0
     assert m[("openjev_cached_tokens_total", ())] > 0
+    with redis.Redis.from_url(scripted_stack.redis_url) as client:
+        limit = int(client.config_get("maxmemory")["maxmemory"])  # serve's Redis has one, a container's none
+    assert m[("openjev_redis_memory_bytes", (("kind", "used"),))] > 0
+    assert m[("openjev_redis_memory_bytes", (("kind", "maxmemory"),))] == limit
+    assert m[("openjev_redis_memory_bytes", (("kind", "admission"),))] == int(limit * 0.9)  # the default headroom
 
 
 def test_metrics_need_the_key_when_one_is_set(scripted_stack: Stack) -> None:

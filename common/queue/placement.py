@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from common.jobs import Lane
 from common.queue import keys
@@ -208,6 +209,16 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class RedisMemory:
+    """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none) and `admission`, past which
+    placements stop (the limit less the headroom; 0 with no limit)."""
+
+    used: int
+    limit: int
+    admission: int
+
+
+@dataclass(frozen=True)
 class Admission:
     """Whose job it is and how it queues: the tenant (its limits and weight) and the lane."""
 
@@ -245,7 +256,17 @@ class Dispatcher:
         self.load_factor = load_factor
         self.routing = routing
         self.headroom = headroom
+        self.redis = redis
         self._submit = redis.register_script(_SUBMIT)
+
+    async def memory(self) -> RedisMemory | None:
+        """Redis's memory and where placements stop; None when its ACL refuses INFO."""
+        try:
+            info = await self.redis.info("memory")
+        except ResponseError:
+            return None
+        limit = int(info.get("maxmemory", 0))
+        return RedisMemory(used=int(info["used_memory"]), limit=limit, admission=int(limit * (1 - self.headroom)))
 
     async def place(self, job_id: str, route_key: str, remaining: float, record: dict[str, str],
                     keep_after_deadline: int, arq_payload: bytes,
