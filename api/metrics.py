@@ -60,8 +60,9 @@ class ApiMetrics:
                                           "anywhere has waited", registry=r)
         self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
         self.redis_memory = Gauge("openjev_redis_memory_bytes", "The queue's Redis memory: used, its maxmemory (0: "
-                                  "none) and admission, past which the API takes no new job (maxmemory less "
-                                  "OPENJEV_REDIS_HEADROOM); absent when Redis refuses INFO", ["kind"], registry=r)
+                                  "none) and admission, past which the API takes no new async job (maxmemory less "
+                                  "OPENJEV_REDIS_HEADROOM; sync jobs may use half of it); absent when Redis refuses "
+                                  "INFO", ["kind"], registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "

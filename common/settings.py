@@ -135,8 +135,9 @@ class Settings(BaseSettings):
     redis_sentinel_master: str = Field(default="openjev", description="The master's name at the Sentinels.")
     redis_headroom: float = Field(
         default=0.1, ge=0, lt=1, description="The share of Redis's maxmemory kept for the jobs already accepted to "
-        "start and end: past the rest the API takes no new job (503, the queue is full). 0: new jobs until Redis "
-        "refuses a write, when accepted jobs wait for keys to expire or the limit to be raised.")
+        "start and end: past the rest the API takes no new async job (503, the queue is full), and sync requests may "
+        "use half of it. 0: new jobs until Redis refuses a write, when accepted jobs wait for keys to expire or the "
+        "limit to be raised.")
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from common.queue import keys
 from common.queue.membership import LIVENESS_WINDOW, WorkerInfo, heartbeat
-from common.queue.placement import FAIR_ORIGIN_MS, Dispatcher, IdempotencyClaim, Placement
+from common.queue.placement import FAIR_ORIGIN_MS, Admission, Dispatcher, IdempotencyClaim, Placement
 from common.routing import prefix_key
 from common.settings import RoutingPolicy
 from tests.conftest import redis_now
@@ -149,6 +149,10 @@ async def test_a_redis_within_the_headroom_of_its_maxmemory_places_nothing_and_w
         full = await place(Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.6), "job_full", "k", 30.0, claim)
         assert full == Placement(full=True)  # 0.6 kept: only 0.4 of maxmemory is the placements'
         assert set(await redis.keys("*")) == written  # no record, no arq job, no key held, no clock moved
+        sync = await Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.6).place(
+            "job_sync", "k", 30.0, {"status": "queued", "request_id": "req_s"}, 600, b"{}",
+            admission=Admission(sync=True))
+        assert sync.queue == info.queue  # a sync job may use half the headroom: 0.3 kept, 0.5 used
         placed = await place(Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.4), "job_room", "k", 30.0, claim)
         assert placed.queue == info.queue
         await redis.config_set("maxmemory", 0)  # no limit: the headroom is of nothing

@@ -74,9 +74,10 @@ def test_a_full_redis_refuses_new_jobs_with_a_503_and_the_worker_rides_it_out(st
 
 def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_kept(
         model_dir: Path, log_dir: Path) -> None:
-    """Jobs queued until the API says the queue is full: the jobs it took all start and end while the limit
-    stays (the API stops short of it by OPENJEV_REDIS_HEADROOM, so a job's start and end have room), Redis
-    refuses no write, and once they have ended the queue takes new jobs again. Without the headroom Redis
+    """Jobs queued until the API says the queue is full: a sync request still gets its answer (it may use half
+    the headroom), the jobs it took all start and end while the limit stays (the API stops short of it by
+    OPENJEV_REDIS_HEADROOM, so a job's start and end have room), Redis refuses no write, and once they have
+    ended the queue takes new jobs again. Without the headroom Redis
     refuses arq's start of every queued job (its count of tries) until keys expire: none would run.
 
     The headroom holds the clients' buffers too (about 20 kB a connection, and the waits below open ~16
@@ -104,6 +105,9 @@ def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_k
             assert "the job queue is full" in refused.json()["detail"]["message"], refused.text
             assert int(refused.headers["retry-after"]) >= 1
             assert len(job_ids) >= 20, len(job_ids)
+            # A sync request still gets in: it may use half the headroom (its caller waits; no backlog builds)
+            sync = web.post(stack.url + "/v1/systemone", json=request(-1), timeout=30)
+            assert sync.status_code == 200, sync.text
 
             stack.script(delay=0.0)
             assert final_statuses(stack.url, job_ids, 60) == ["succeeded"] * len(job_ids)

@@ -84,9 +84,13 @@ end
 
 -- Room for the jobs already taken. A Redis at its maxmemory (noeviction) refuses the writes a queued job needs
 -- to start and to end (arq's count of its tries, the claim, the outcome), so none would run until keys expire
--- or the limit is raised: placements stop the headroom's share of maxmemory short of it.
+-- or the limit is raised: placements stop the headroom's share of maxmemory short of it. A sync job may use
+-- half of that share: its caller waits for it and its record goes 15 s after it ends, so sync jobs hold what
+-- their callers' pace brings rather than a backlog, and a tenant's async jobs, which can fill Redis, do not
+-- shut every sync caller out; the other half stays the workers'.
 -- A Redis whose ACL refuses INFO (a managed one's may) places without it, and says so in its reply.
 local headroom, memory = tonumber(ARGV[23]), nil
+if ARGV[20] == 'sync' then headroom = headroom / 2 end
 if headroom > 0 then
   memory = redis.pcall('INFO', 'memory')
   if type(memory) == 'string' then
@@ -211,7 +215,7 @@ class Placement:
 @dataclass(frozen=True)
 class RedisMemory:
     """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none) and `admission`, past which
-    placements stop (the limit less the headroom; 0 with no limit)."""
+    async placements stop (the limit less the headroom; 0 with no limit; sync ones may use half the headroom)."""
 
     used: int
     limit: int
