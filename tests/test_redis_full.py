@@ -71,14 +71,13 @@ def test_a_full_redis_refuses_new_jobs_with_a_503_and_the_worker_rides_it_out(st
         client.close()
 
 
-
 def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_kept(
         model_dir: Path, log_dir: Path) -> None:
     """Jobs queued until the API says the queue is full: a sync request still gets its answer (it may use half
     the headroom), the jobs it took all start and end while the limit stays (the API stops short of it by
     OPENJEV_REDIS_HEADROOM, so a job's start and end have room), Redis refuses no write, and once they have
-    ended the queue takes new jobs again. Without the headroom Redis
-    refuses arq's start of every queued job (its count of tries) until keys expire: none would run.
+    ended the queue takes new jobs again. Without the headroom Redis refuses arq's start of every queued job
+    (its count of tries) until keys expire: none would run.
 
     The headroom holds the clients' buffers too (about 20 kB a connection, and the waits below open ~16
     more): on this tiny maxmemory that takes 0.4 of it, where 0.1 of a production Redis's does."""
