@@ -133,6 +133,10 @@ class Settings(BaseSettings):
         default_factory=list, description="host:port,... of the Sentinels that name the Redis master; when set, "
         "OPENJEV_REDIS_URL gives only the password and database, and every process follows a failover.")
     redis_sentinel_master: str = Field(default="openjev", description="The master's name at the Sentinels.")
+    redis_maxmemory: str | None = Field(
+        default=None, pattern=r"^[0-9]+([kKmMgG][bB]?|[bB])?$", description="`serve`'s embedded Redis's maxmemory, "
+        "as Redis reads it (bytes, or 512mb, 4gb; 0: no limit); unset: 1gb. compose's Redis reads the same "
+        "variable (its default: 4gb); a Redis the project does not start keeps its own.")
     redis_headroom: float = Field(
         default=0.1, ge=0, lt=1, description="The share of Redis's maxmemory kept for the jobs already accepted to "
         "start and end: past the rest the API takes no new async job (503, the queue is full), and sync requests may "

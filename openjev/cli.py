@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from common.calibration import ANSWER_LINE
 from common.logs import configure_logging
 from common.settings import get_settings
@@ -25,7 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
-    configure_logging(get_settings().log_level)
+    try:
+        settings = get_settings()
+    except ValidationError as error:  # a bad OPENJEV_* variable: name it and say what is wrong, one line each
+        for problem in error.errors():
+            name = "OPENJEV_" + "_".join(str(part) for part in problem["loc"]).upper()
+            secret = any(word in name for word in ("KEY", "PASSWORD", "SECRET", "URL"))  # a URL may hold a password
+            value = "(not shown)" if secret else repr(problem["input"])
+            print(f"openjev: {name}={value}: {problem['msg']}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
     return int(args.run(args) or 0)
 
 

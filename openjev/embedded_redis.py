@@ -29,9 +29,10 @@ LOG_FILE = "redis.log"
 # second, by the timer. compose.yaml and deploy/ keep 10: a shared Redis with many clients and keys
 # wants its expiry and client checks at the usual pace.
 SERVE_HZ = 1
-# A cap on serve's Redis, well above what one machine's queue holds (a job's keys take a few kB, kept an hour
-# once it ends): a flood of jobs is refused with 503s (the API stops short of it, OPENJEV_REDIS_HEADROOM)
-# instead of growing Redis until the machine kills it. compose.yaml's and Kubernetes' Redis have their own.
+# The default cap on serve's Redis (OPENJEV_REDIS_MAXMEMORY), well above what one machine's queue holds (a job's
+# keys take a few kB, kept an hour once it ends): a flood of jobs is refused with 503s (the API stops short of
+# it, OPENJEV_REDIS_HEADROOM) instead of growing Redis until the machine kills it. compose.yaml's and
+# Kubernetes' Redis have their own.
 SERVE_MAXMEMORY = "1gb"
 PORT_FLOOR = 20000  # free_port chooses from here to the ephemeral range (32768 on Linux): clear of well-known ports
 START_TIMEOUT = 30.0  # seconds; a start replays the append-only file, which grows with the queue
@@ -117,13 +118,14 @@ class RedisServer:
     data_dir: Path
     port: int
     password: str
+    maxmemory: str = SERVE_MAXMEMORY  # as Redis reads it: bytes, or with a unit (512mb, 4gb); 0: no limit
     process: subprocess.Popen[bytes] | None = None
     _lock_fd: int | None = None
 
     @classmethod
-    def on(cls, data_dir: Path, port: int | None = None) -> RedisServer:
+    def on(cls, data_dir: Path, port: int | None = None, maxmemory: str = SERVE_MAXMEMORY) -> RedisServer:
         """A server for `data_dir` (created 0700 if missing), with its password, on `port` or a free one."""
-        return cls(data_dir, port or free_port(), data_dir_password(data_dir))
+        return cls(data_dir, port or free_port(), data_dir_password(data_dir), maxmemory)
 
     @property
     def url(self) -> str:
@@ -142,7 +144,7 @@ class RedisServer:
         # "-": the rest of the configuration comes from stdin (Redis wants it first or last).
         argv = [str(find_redis_server()), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--protected-mode", "yes", "--dir", str(self.data_dir), *PERSISTENCE_ARGS,
-                "--hz", str(SERVE_HZ), "--maxmemory", SERVE_MAXMEMORY, "--logfile", str(self.log_path),
+                "--hz", str(SERVE_HZ), "--maxmemory", self.maxmemory, "--logfile", str(self.log_path),
                 "--loglevel", "warning", "-"]
         # The lock travels with the server: it stays held while Redis lives, even if its parent was killed.
         # Its own process group: a terminal's Ctrl-C must not stop Redis before serve stops the rest.

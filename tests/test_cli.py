@@ -73,6 +73,18 @@ def test_calibrate_documents_its_input_with_an_example_file_that_fits(tmp_path: 
     assert set(Calibration.load(out).temperatures) == {"noul", "choice", "score"}
 
 
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("OPENJEV_REDIS_MAXMEMORY", "lots", "should match pattern"),
+    ("OPENJEV_REDIS_HEADROOM", "2", "less than 1"),
+    ("OPENJEV_MAX_QUESTIONS", "many", "valid integer"),
+])
+def test_a_bad_setting_is_named_with_what_is_wrong_in_one_line(name: str, value: str, says: str) -> None:
+    done = openjev("worker", env={**os.environ, name: value})
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"openjev: {name}={value!r}: ") and says in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
 def test_calibrate_on_a_missing_file_says_so_in_one_line(tmp_path: Path) -> None:
     done = openjev("calibrate", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "c.json"))
     assert done.returncode == 2

@@ -215,10 +215,10 @@ def persistence(port: int, redis_dir: Path) -> dict[str, str]:
         owner.close()
 
 
-def start_connected_serve(log_dir: Path, engine: Proc, model_dir: Path, redis_dir: Path) -> Served:
+def start_connected_serve(log_dir: Path, engine: Proc, model_dir: Path, redis_dir: Path, **env: str) -> Served:
     assert engine.url
     return start_serve(log_dir, "--connect", engine.url, OPENJEV_TOKENIZER=str(model_dir),
-                       OPENJEV_SERVED_MODEL_NAME=CPU_MODEL_NAME, OPENJEV_REDIS_DIR=str(redis_dir))
+                       OPENJEV_SERVED_MODEL_NAME=CPU_MODEL_NAME, OPENJEV_REDIS_DIR=str(redis_dir), **env)
 
 
 @pytest.fixture
@@ -231,7 +231,7 @@ def engine(log_dir: Path) -> Iterator[Proc]:
 def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
         engine: Proc, model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
     redis_dir = tmp_path / "redis"
-    served = start_connected_serve(log_dir, engine, model_dir, redis_dir)
+    served = start_connected_serve(log_dir, engine, model_dir, redis_dir, OPENJEV_REDIS_MAXMEMORY="768mb")
     try:
         password = (redis_dir / "password").read_text().strip()
         pid, title = serve_redis(served)
@@ -245,7 +245,8 @@ def test_serve_restarts_its_redis_in_place_and_the_stack_keeps_answering(
             assert time.monotonic() < deadline, "serve did not restart its Redis"
             time.sleep(0.1)
         assert port_of(serve_redis(served)[1]) == port  # in place: the same port, data directory and password
-        assert persistence(port, redis_dir)["dir"] == str(redis_dir)
+        kept = persistence(port, redis_dir)
+        assert (kept["dir"], kept["maxmemory"]) == (str(redis_dir), str(768 * 2**20))  # the setting's, kept
 
         web.post(f"{engine.url}/script", json={"delay": 0.0}, timeout=5).raise_for_status()
         response = answered(served.url, body({"q": NOUL}))  # past the 503s of the restart
