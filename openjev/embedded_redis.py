@@ -123,9 +123,10 @@ class RedisServer:
     _lock_fd: int | None = None
 
     @classmethod
-    def on(cls, data_dir: Path, port: int | None = None, maxmemory: str = SERVE_MAXMEMORY) -> RedisServer:
-        """A server for `data_dir` (created 0700 if missing), with its password, on `port` or a free one."""
-        return cls(data_dir, port or free_port(), data_dir_password(data_dir), maxmemory)
+    def on(cls, data_dir: Path, port: int | None = None, maxmemory: str | None = None) -> RedisServer:
+        """A server for `data_dir` (created 0700 if missing), with its password, on `port` or a free one, capped
+        at `maxmemory` (SERVE_MAXMEMORY when None)."""
+        return cls(data_dir, port or free_port(), data_dir_password(data_dir), maxmemory or SERVE_MAXMEMORY)
 
     @property
     def url(self) -> str:

@@ -26,7 +26,7 @@ import httpx
 from common.contract import EXAMPLE_REQUEST
 from common.redis_connection import redis_address
 from common.settings import Settings
-from openjev.embedded_redis import SERVE_MAXMEMORY, DataDirInUse, RedisServer, free_port
+from openjev.embedded_redis import DataDirInUse, RedisServer, free_port
 from worker.runner import EXIT_ENGINE_DOWN
 
 CPU_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -172,8 +172,7 @@ class Supervisor:
                                  "a shared Redis must require one")
             _log(f"using the shared Redis: {redis_address(self.settings)}")
             return self.settings.redis_url
-        server = RedisServer.on(self.settings.embedded_redis_dir,
-                                maxmemory=self.settings.redis_maxmemory or SERVE_MAXMEMORY)
+        server = RedisServer.on(self.settings.embedded_redis_dir, maxmemory=self.settings.redis_maxmemory)
         try:
             process = server.start()
             self.children.append(Child("redis", [], {}, restart=f"in place: same port, data and password; "
