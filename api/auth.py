@@ -34,6 +34,12 @@ def tenant_of(scope: Scope) -> Tenant:
     return scope["state"]["tenant"]
 
 
+def queue_shared(scope: Scope) -> bool:
+    """Whether other tenants may queue jobs too (the keys file names more than one): then the queue's memory is
+    shared out when Redis nears its maxmemory (common/queue/placement.py)."""
+    return scope["state"].get("queue_shared", False)
+
+
 class TenantKeys:
     """The tenants in force: from the keys file, re-read when it changes (or on SIGHUP) without a
     restart, or fixed (`OPENJEV_API_KEY`, or none). A changed file that cannot be used is logged and
@@ -119,6 +125,7 @@ class KeyGate:
             return
         directory = self.keys.directory
         state = scope.setdefault("state", {})
+        state["queue_shared"] = len(directory.tenants) > 1
         if directory.open:
             state["tenant"] = next(iter(directory.tenants.values()))
             await self.app(scope, receive, send)

@@ -117,7 +117,14 @@ class SyncJobLost(ApiError, status=503, error_type="unavailable_error"):
 
 
 class TenantLimited(ApiError, status=429, error_type="rate_limit_error"):
-    """The tenant is at one of its limits (common/tenants.py); other tenants are unaffected."""
+    """The tenant is at one of its limits (common/tenants.py), or holds half or more of the queued async jobs
+    while the queue's Redis nears its maxmemory (`limit` "queue_share"); other tenants are unaffected. Counted
+    in `openjev_tenant_limited_total` by tenant and limit."""
+
+    def __init__(self, message: str, headers: dict[str, str], tenant: str, limit: str) -> None:
+        super().__init__(message, headers)
+        self.tenant = tenant
+        self.limit = limit
 
 
 class Overloaded(ApiError, status=529, error_type="overloaded_error"):
@@ -160,6 +167,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
         request.state.error_type = exc.error_type
+        if isinstance(exc, TenantLimited):
+            request.app.state.metrics.observe_refusal(exc.tenant, exc.limit)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)

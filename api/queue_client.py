@@ -86,12 +86,13 @@ class Submitted:
     held: str | None = None
 
 
-def admission_of(tenant: Tenant, job: JobSpec, lane: Lane, sync: bool) -> Admission:
-    """How `tenant`'s `job` queues: its limits, its weight, its lane and its cost in engine prompts."""
+def admission_of(tenant: Tenant, job: JobSpec, lane: Lane, sync: bool, shared: bool) -> Admission:
+    """How `tenant`'s `job` queues: its limits, its weight, its lane, its cost in engine prompts, and whether
+    other tenants share the queue (`shared`)."""
     return Admission(tenant=tenant.name, lane=lane, sync=sync,
                      prompts=1 + len(job.branches) + len(job.final_rounds), weight=tenant.weight,
                      max_concurrent_jobs=tenant.limits.max_concurrent_jobs,
-                     max_queued_jobs=tenant.limits.max_queued_jobs)
+                     max_queued_jobs=tenant.limits.max_queued_jobs, shared=shared)
 
 
 class JobQueue:
@@ -164,9 +165,16 @@ class JobQueue:
         if placed.limited is not None:
             limit, value = placed.limited
             raise TenantLimited(f"tenant {admission.tenant!r} is at its limit {limit} = {value}; retry once one of "
-                                "its jobs has ended", {"Retry-After": "1"})
+                                "its jobs has ended", {"Retry-After": "1"}, admission.tenant, limit)
         if placed.full:
             raise QueueFull()
+        if placed.crowding is not None:
+            mine, everyone = placed.crowding
+            raise TenantLimited(f"the job queue is nearly full (its Redis nears its maxmemory), and tenant "
+                                f"{admission.tenant!r} holds {mine} of its {everyone} queued async jobs: its async "
+                                "jobs are refused until some have ended, so that other tenants' still get in; sync "
+                                "requests are not held by this; retry later", {"Retry-After": "5"}, admission.tenant,
+                                "queue_share")
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.auth import tenant_of
+from api.auth import queue_shared, tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
@@ -35,7 +35,8 @@ async def systemone(request: Request,
     prepare_seconds = time.perf_counter() - started
     request.state.job_id = job.id
     tenant = tenant_of(request.scope)
-    queued = admission_of(tenant, job, Lane(body.x_priority or Lane.interactive), sync=True)
+    queued = admission_of(tenant, job, Lane(body.x_priority or Lane.interactive), sync=True,
+                          shared=queue_shared(request.scope))
     outcome = await _run_unless_disconnected(request, job, queued)
     if outcome is None:
         await _end(request, job, JobStatus.expired, "timeout_error", "the request did not finish before its deadline",

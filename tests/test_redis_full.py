@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -120,3 +121,82 @@ def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_k
         finally:
             client.config_set("maxmemory", 0)
             client.close()
+
+
+ALPHA_KEY, BETA_KEY = "alpha-key-0123456789", "beta-key-0123456789"
+
+
+def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_flooding_it(
+        model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
+    """Two tenants share the queue; one floods it with async jobs. Past twice the headroom below Redis's
+    maxmemory the flooding tenant gets 429 (it holds half or more of the queued async jobs, here all of them),
+    while the other tenant's async jobs still get in, and so do the flooding tenant's sync requests; every
+    accepted job then runs, and the refusals are counted by tenant. Without the band the flood takes Redis up
+    to the headroom and the other tenant's async jobs get 503 "the job queue is full"."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[tenants.alpha]\nkey = "{ALPHA_KEY}"\noperator = true\n\n'
+                         f'[tenants.beta]\nkey = "{BETA_KEY}"\n')
+    alpha, beta = {"Authorization": f"Bearer {ALPHA_KEY}"}, {"Authorization": f"Bearer {BETA_KEY}"}
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REDIS_HEADROOM="0.2",
+                                 OPENJEV_API_KEYS_FILE=str(keys_file)) as stack:
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            stack.script(delay=0.3)  # the worker's slots stay busy: the jobs pile up in its queue
+
+            def request(i: int) -> dict:
+                return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
+
+            def post(i: int, headers: dict[str, str], path: str = "/v1/jobs") -> httpx.Response:
+                return web.post(stack.url + path, json=request(i), headers=headers, timeout=30)
+
+            first = post(0, alpha)
+            assert first.status_code == 202, first.text
+            mine = {first.json()["id"]: alpha}
+            client.config_set("maxmemory", client.info("memory")["used_memory"] + 3_000_000)
+            refused = None
+            for i in range(1, 2000):
+                response = post(i, alpha)
+                if response.status_code != 202:
+                    refused = response
+                    break
+                mine[response.json()["id"]] = alpha
+            assert refused is not None and refused.status_code == 429, refused and refused.text
+            assert refused.json()["detail"]["error_type"] == "rate_limit_error"
+            assert "tenant 'alpha' holds" in refused.json()["detail"]["message"], refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            assert len(mine) >= 10, len(mine)
+            memory = client.info("memory")
+            assert memory["used_memory"] < memory["maxmemory"] * 0.8  # short of the headroom: room left
+
+            for i in range(5):  # the other tenant's async jobs still get in
+                response = post(10_000 + i, beta)
+                assert response.status_code == 202, response.text
+                mine[response.json()["id"]] = beta
+            again = post(20_000, alpha)
+            assert again.status_code == 429, again.text
+            assert post(-1, alpha, "/v1/systemone").status_code == 200  # its sync requests are not held
+
+            metrics = web.get(stack.url + "/metrics", headers=alpha, timeout=30).text
+            counted = [line for line in metrics.splitlines()
+                       if line.startswith('openjev_tenant_limited_total{limit="queue_share",tenant="alpha"}')]
+            assert counted and float(counted[0].split()[-1]) >= 2, counted
+
+            stack.script(delay=0.0)
+            assert [ended(stack, job_id, headers) for job_id, headers in mine.items()] == ["succeeded"] * len(mine)
+            assert int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0)) == 0  # none refused
+            assert stack.workers[0].alive() and "Traceback" not in stack.workers[0].output()
+            print(f"\nalpha: {len(mine) - 5} jobs queued until its share was refused; beta: 5 after it")
+        finally:
+            client.config_set("maxmemory", 0)
+            client.close()
+
+
+def ended(stack: Stack, job_id: str, headers: dict[str, str], timeout: float = 60.0) -> str:
+    """The job's final status (its tenant's key in `headers`), or "still pending" at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        if response.json()["status"] not in ("queued", "running"):
+            return response.json()["status"]
+    return "still pending"

@@ -146,6 +146,45 @@ async def test_queued_async_jobs_are_limited_apart_from_sync_ones(redis: Redis, 
     assert (usage.jobs, usage.async_jobs) == (2, 1)
 
 
+async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenant_holding_half_of_them(
+        redis: Redis) -> None:
+    """Within twice the headroom of Redis's maxmemory (and short of the headroom itself), a tenant that holds
+    half or more of all tenants' queued async jobs places no more of them, even alone so far, so the rest of
+    Redis stays the other tenants'; its sync jobs, other tenants' async jobs and a queue of one tenant are not
+    held by it, and a job that ends leaves the count of all tenants' too."""
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      started_at=time.time()))
+    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.3)
+
+    def shared(tenant: str) -> Admission:
+        return Admission(tenant=tenant, shared=True)
+
+    for n in range(3):  # Redis far from its limit: a tenant may hold every queued job
+        assert (await place(dispatcher, f"job_a{n}", shared("alpha"))).queue == QUEUE
+    await redis.config_set("maxmemory", (await redis.info("memory"))["used_memory"] * 2)  # used: 0.5, past
+    try:  # 1 - 2 * 0.3 and short of 1 - 0.3
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 3)  # alone, holding them all
+        assert not await redis.exists(keys.job_key("job_a3"))  # nothing of it written
+        for n in range(3):  # beta holds 1 of 4, 2 of 5, 3 of 6
+            assert (await place(dispatcher, f"job_b{n}", shared("beta"))).queue == QUEUE
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 6)
+        assert (await place(dispatcher, "job_b3", shared("beta"))).crowding == (3, 6)
+        sync = Admission(tenant="alpha", lane=Lane.interactive, sync=True, shared=True)
+        assert (await place(dispatcher, "job_sync", sync)).queue == QUEUE  # no band for sync jobs
+        assert (await place(dispatcher, "job_alone", Admission(tenant="alpha"))).queue == QUEUE  # one tenant's
+        assert await redis.zcard(keys.ASYNC_JOBS) == 7  # alpha 4, beta 3
+
+        store = JobStore(redis, result_ttl=60)
+        assert await claim_and_start(redis, "job_a0.1", "solo") is not None
+        assert await store.store("job_a0.1", JobOutcome(status=JobStatus.succeeded, result={}), time.monotonic() + 5)
+        assert await store.cancel("job_a1", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
+                                                                                        "message": "m"}))
+        assert await redis.zcard(keys.ASYNC_JOBS) == 5  # both ended jobs left it
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).queue == QUEUE  # alpha held 2 of 5
+    finally:
+        await redis.config_set("maxmemory", 0)
+
+
 async def test_the_same_idempotency_key_in_two_tenants_names_two_jobs(redis: Redis, dispatcher: Dispatcher) -> None:
     claim = IdempotencyClaim("ticket-42", "d1")
     assert (await place(dispatcher, "job_a", Admission(tenant="a"), claim)).queue

@@ -39,6 +39,7 @@ KEY_B = "tenant-b-key-0123456789"
 KEY_C = "tenant-c-key-0123456789"
 KEY_D = "tenant-d-key-0123456789"
 KEY_E = "tenant-e-key-0123456789"
+KEY_Z = "tenant-z-key-0123456789"
 KEYS_FILE = f"""
 [tenants.alpha]
 key = "{KEY_A}"
@@ -51,6 +52,10 @@ key_sha256 = "{hashlib.sha256(KEY_B.encode()).hexdigest()}"
 
 [tenants.delta]
 key = "{KEY_D}"
+
+[tenants.zeta]
+key = "{KEY_Z}"
+max_concurrent_jobs = 1
 
 [tenants.epsilon]
 key = "{KEY_E}"
@@ -228,6 +233,23 @@ def test_a_tenant_over_its_rate_gets_429_with_headers_from_every_replica(tenant_
     assert r.headers["ratelimit-policy"] == "5;w=60"
     assert "ratelimit-remaining" in allowed[0].headers
     assert submit(tenant_stack, KEY_B, url=second.url).status_code == 202  # beta has no such limit
+
+
+def test_a_tenant_at_its_job_limit_gets_429_and_the_refusal_is_counted(tenant_stack: Stack) -> None:
+    tenant_stack.script(delay=2.0)
+    running = submit(tenant_stack, KEY_Z, body({"q": NOUL}, state="zeta's one job"))
+    assert running.status_code == 202, running.text
+    refused = submit(tenant_stack, KEY_Z, body({"q": NOUL}, state="zeta's second job"))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["detail"] == {
+        "error_type": "rate_limit_error",
+        "message": "tenant 'zeta' is at its limit max_concurrent_jobs = 1; retry once one of its jobs has ended"}
+    assert refused.headers["retry-after"] == "1"
+    assert submit(tenant_stack, KEY_D).status_code == 202  # another tenant is not held by it
+    text = web.get(tenant_stack.url + "/metrics", headers=auth(KEY_A), timeout=30).text
+    assert 'openjev_tenant_limited_total{limit="max_concurrent_jobs",tenant="zeta"} 1.0' in text.splitlines()
+    tenant_stack.script(delay=0.0)
+    assert wait_for(tenant_stack, KEY_Z, running.json()["id"])["status"] == "succeeded"
 
 
 def test_a_changed_keys_file_takes_effect_without_a_restart(tenant_stack: Stack, keys_file: Path) -> None:

@@ -1,8 +1,9 @@
 """Submission in one step, inside Redis: one script claims the client's idempotency key (if any, per
 tenant), checks the tenant's limits (its jobs not yet ended, sync and async) and that Redis has room past
-the jobs it holds (a headroom below its maxmemory, kept for their starts and ends), reads the fleet (fresh
-heartbeats; each worker's engine state, capacity and job time from its small routing hash; queue
-lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
+the jobs it holds (a headroom below its maxmemory, kept for their starts and ends; where tenants share the
+queue, a band as wide below that is kept from a tenant holding half or more of the queued async jobs), reads
+the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its small routing hash;
+queue lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
 record, arq's job and the queue entry at the job's score, and wakes the worker (its queue's wake
 channel). One round trip per submit; no two API replicas can route on the same stale queue lengths,
 and a key is never held by a job that was not placed. Times are Redis's (TIME): the record's deadline
@@ -55,10 +56,13 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 # none), 13 its value's digest, 14 tenant, 15 clock ttl (s), 16 lane, 17 the job's fair cost (virtual ms,
 # weighted), 18 max concurrent jobs (0: no limit), 19 max queued async jobs (0: no limit), 20 'async' or
 # 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 headroom (the share of maxmemory kept; 0: none),
-# 24 ... record field/value pairs.
+# 24 the crowding band below it (a share of maxmemory; 0: none, for a sync job or a queue of one tenant),
+# 25 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at, 'noinfo' when INFO was refused or ''} | {'held',
 #      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
-#      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'none'} (no worker with a
+#      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's queued
+#      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds half or more)
+#      | {'none'} (no worker with a
 #      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
@@ -88,6 +92,9 @@ end
 -- half of that share: its caller waits for it and its record goes 15 s after it ends, so sync jobs hold what
 -- their callers' pace brings rather than a backlog, and a tenant's async jobs, which can fill Redis, do not
 -- shut every sync caller out; the other half stays the workers'.
+-- Below that, where tenants share the queue, a band (ARGV[24], the headroom again) is kept from the tenant crowding
+-- the others out: there an async job of a tenant that holds half or more of all tenants' queued async jobs is
+-- refused, so one tenant's flood (even one alone so far) stops short of it and leaves room for the others'.
 -- A Redis whose ACL refuses INFO (a managed one's may) places without it, and says so in its reply.
 local headroom, memory = tonumber(ARGV[23]), nil
 if ARGV[20] == 'sync' then headroom = headroom / 2 end
@@ -95,8 +102,14 @@ if headroom > 0 then
   memory = redis.pcall('INFO', 'memory')
   if type(memory) == 'string' then
     local limit = tonumber(string.match(memory, '\\nmaxmemory:(%d+)'))
-    if limit and limit > 0 and tonumber(string.match(memory, '\\nused_memory:(%d+)')) > limit * (1 - headroom) then
-      return {'full'}
+    local used = tonumber(string.match(memory, '\\nused_memory:(%d+)'))
+    if limit and limit > 0 then
+      if used > limit * (1 - headroom) then return {'full'} end
+      if used > limit * (1 - headroom - tonumber(ARGV[24])) then
+        local mine = redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf')
+        local all = redis.call('ZCOUNT', 'ASYNC_JOBS', '(' .. now, '+inf')
+        if mine > 0 and 2 * mine >= all then return {'crowding', mine, all} end
+      end
     end
   end
 end
@@ -174,26 +187,29 @@ local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
 record_placed(ARGV[9], ttl, {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
                               'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline),
-                              unpack(ARGV, 24)})
+                              unpack(ARGV, 25)})
 arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
 -- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
 -- records.py, or here once its deadline has passed).
 redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
 if ARGV[20] == 'async' then
-  redis.call('ZREMRANGEBYSCORE', tenant_async, '-inf', now)
-  redis.call('ZADD', tenant_async, deadline, ARGV[8])
+  for _, key in ipairs({tenant_async, 'ASYNC_JOBS'}) do
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    redis.call('ZADD', key, deadline, ARGV[8])
+  end
 end
--- The tenant's sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job
--- needs, so the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
+-- These sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job needs, so
+-- the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
 local bounded = {tenant_jobs}
-if ARGV[20] == 'async' then bounded[#bounded + 1] = tenant_async end
+if ARGV[20] == 'async' then bounded[#bounded + 1] = tenant_async bounded[#bounded + 1] = 'ASYNC_JOBS' end
 for _, key in ipairs(bounded) do
   if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl + BOUND_SLACK) end
 end
 if ARGV[12] ~= '' then redis.call('SET', ARGV[12], ARGV[8] .. ':' .. ARGV[13], 'EX', ttl) end
 return {'ok', target.queue, tostring(now), tostring(deadline), (memory and type(memory) ~= 'string') and 'noinfo' or ''}
-""".replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(keys.BOUND_SLACK))
+""".replace("TENANT_PREFIX", keys.TENANT_PREFIX).replace("BOUND_SLACK", str(keys.BOUND_SLACK)).replace(
+    "ASYNC_JOBS", keys.ASYNC_JOBS)
 
 
 @dataclass(frozen=True)
@@ -209,17 +225,22 @@ class Placement:
     no_worker: bool = False
     soonest: float | None = None
     full: bool = False  # Redis is within the headroom of its maxmemory
+    crowding: tuple[int, int] | None = None  # tenants share the queue, Redis is within twice the headroom, and
+    # the tenant holds half or more of the queued async jobs: (its, all tenants')
     limited: tuple[str, int] | None = None  # the tenant's limit it is at: (its name, its value)
 
 
 @dataclass(frozen=True)
 class RedisMemory:
-    """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none) and `admission`, past which
-    async placements stop (the limit less the headroom; 0 with no limit; sync ones may use half the headroom)."""
+    """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none), `admission`, past which
+    async placements stop (the limit less the headroom; 0 with no limit; sync ones may use half the headroom),
+    and `crowding`, past which a tenant holding half or more of the queued async jobs places none (the limit
+    less twice the headroom)."""
 
     used: int
     limit: int
     admission: int
+    crowding: int
 
 
 @dataclass(frozen=True)
@@ -233,6 +254,8 @@ class Admission:
     weight: float = 1.0  # the tenant's share against other tenants'
     max_concurrent_jobs: int | None = None  # the tenant's jobs not yet ended, sync and async
     max_queued_jobs: int | None = None  # the tenant's async jobs not yet ended
+    shared: bool = False  # other tenants may queue jobs too: a tenant holding half or more of the queued async jobs
+    # places none within twice the headroom of Redis's maxmemory
 
     @property
     def fair_cost_ms(self) -> float:
@@ -270,7 +293,8 @@ class Dispatcher:
         except ResponseError:
             return None
         limit = int(info.get("maxmemory", 0))
-        return RedisMemory(used=int(info["used_memory"]), limit=limit, admission=int(limit * (1 - self.headroom)))
+        return RedisMemory(used=int(info["used_memory"]), limit=limit, admission=int(limit * (1 - self.headroom)),
+                           crowding=int(limit * max(0.0, 1 - 2 * self.headroom)))
 
     async def place(self, job_id: str, route_key: str, remaining: float, record: dict[str, str],
                     keep_after_deadline: int, arq_payload: bytes,
@@ -288,7 +312,8 @@ class Dispatcher:
             arq_payload, keys.idempotency_key(tenant, idempotency.key) if idempotency else "",
             idempotency.digest if idempotency else "", tenant, keys.CLOCK_TTL, admission.lane.value,
             repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
-            "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, repr(self.headroom), *fields])
+            "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, repr(self.headroom),
+            repr(self.headroom if admission.shared and not admission.sync else 0.0), *fields])
         verdict = reply[0]
         if verdict == b"ok":
             if reply[4] == b"noinfo":
@@ -304,4 +329,6 @@ class Dispatcher:
             return Placement(no_worker=True)
         if verdict == b"full":
             return Placement(full=True)
+        if verdict == b"crowding":
+            return Placement(crowding=(int(reply[1]), int(reply[2])))
         return Placement(soonest=float(reply[1]))

@@ -85,11 +85,14 @@ end
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
     """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`, `kind`:
     Lua expressions for the record's tenant field, the job id and the record's kind; only an async job is
-    in the count of queued async jobs)."""
+    in the counts of queued async jobs, the tenant's and all tenants')."""
     return f"""
 if {tenant} then
   redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':jobs', {job_id})
-  if {kind} ~= 'sync' then redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id}) end
+  if {kind} ~= 'sync' then
+    redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id})
+    redis.call('ZREM', '{keys.ASYNC_JOBS}', {job_id})
+  end
 end"""
 
 
