@@ -62,8 +62,8 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 #      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
 #      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's queued
 #      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds half or more)
-#      | {'none'} (no worker with a
-#      fresh heartbeat and a healthy engine) | {'overloaded', seconds until the soonest worker could finish it}.
+#      | {'none'} (no worker with a fresh heartbeat and a healthy engine) | {'overloaded', seconds until the
+#      soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
   local held = redis.call('GET', ARGV[12])
