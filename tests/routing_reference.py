@@ -35,10 +35,11 @@ def route_job(key: str, queue_lengths: dict[str, int], load_factor: float = 1.25
     return next(w for w in rank_workers(key, list(queue_lengths)) if queue_lengths[w] + 1 <= bound)
 
 
-def expected_finish(info: WorkerInfo, queued: int) -> float:
-    """Seconds a new job would take on `info`'s worker: the queue ahead drains `max_jobs` at a time,
-    then it runs."""
-    ahead = queued + max(0, info.running - info.max_jobs + 1)
+def expected_finish(info: WorkerInfo, lower: int) -> float:
+    """Seconds a new job would take on `info`'s worker, where `lower` jobs are queued at lower scores than
+    its own (those that start before it, the running ones among them): the jobs waiting ahead drain
+    `max_jobs` at a time, then it runs."""
+    ahead = max(0, lower - info.running) + max(0, info.running - info.max_jobs + 1)
     return (ahead / info.max_jobs + 1) * info.avg_job_seconds
 
 

@@ -38,8 +38,8 @@ async def build_fleet(redis: Redis, rng: random.Random) -> tuple[dict[str, Worke
         elif info.engine_ok:
             live[info.id] = info
             lengths[info.id] = queued
-        if queued:
-            await redis.zadd(info.queue, {f"old-{i}-{n}": n for n in range(queued)})
+        if queued:  # queued before a new job in fair order: at lower scores than its own (its clocks are unset)
+            await redis.zadd(info.queue, {f"old-{i}-{n}": -FAIR_ORIGIN_MS - 1 - n for n in range(queued)})
     return live, lengths
 
 

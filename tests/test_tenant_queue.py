@@ -17,7 +17,7 @@ from common.queue.membership import Backlog, BacklogReader, WorkerInfo, heartbea
 from common.queue.placement import INTERACTIVE_LEAD_MS, Admission, Dispatcher, IdempotencyClaim, Placement
 from common.queue.records import JobStore
 from common.settings import RoutingPolicy
-from tests.conftest import claim_and_start, redis_now
+from tests.conftest import claim_and_start
 
 QUEUE = keys.queue_name("solo")
 
@@ -70,12 +70,12 @@ async def test_interactive_work_starts_before_a_batch_backlog_but_only_within_it
     scores = dict(await redis.zrange(QUEUE, 0, -1, withscores=True))
     lead = scores[b"job_batch0.1"] - scores[b"job_sync.1"]
     assert lead == INTERACTIVE_LEAD_MS  # both tenants' first jobs start at the queue's virtual time: the lead apart
-    assert await redis.zcard(keys.interactive_key(QUEUE)) == 2  # what an interactive job's admission counts
 
 
 async def test_an_interactive_job_is_admitted_on_the_interactive_jobs_ahead_of_it_alone(redis: Redis) -> None:
-    """Admission by expected finish: a batch job waits behind the whole queue, an interactive one only
-    behind the interactive jobs not yet started whose deadlines have not passed."""
+    """Admission by expected finish: a job waits behind the jobs queued before it in fair order, so one tenant's
+    batch job behind its whole queue, its interactive one behind its interactive jobs alone; jobs that ended
+    before they started (their deadlines passed, or they were cancelled) are taken off and count no more."""
     await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
                                       avg_job_seconds=10.0, started_at=time.time()))
     dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
@@ -93,19 +93,44 @@ async def test_an_interactive_job_is_admitted_on_the_interactive_jobs_ahead_of_i
         assert (await within(f"job_fast{n}", 600, Lane.interactive)).queue
     behind = await within("job_behind", 60, Lane.interactive)  # (11 / 2 + 1) * 10 s = 65 s
     assert behind.queue is None and behind.soonest == pytest.approx(65)
-    past = {f"job_fast{n}.1": (await redis_now(redis)) - 1 for n in range(10)}
-    await redis.zadd(keys.interactive_key(QUEUE), past)  # their deadlines passed (the API ends them)
+    store = JobStore(redis, result_ttl=60)
+    for n in range(10):  # ended before they started (their deadlines passed, or their callers cancelled them)
+        assert await store.cancel(f"job_fast{n}", JobOutcome(status=JobStatus.expired, error={
+            "error_type": "timeout_error", "message": "m"}))
+    assert not await redis.exists(keys.ARQ_JOB + "job_fast0.1")  # taken off the queue with its arq keys
     assert (await within("job_behind", 60, Lane.interactive)).queue  # (1 / 2 + 1) * 10 s: counted no more
 
 
-async def test_a_placement_that_will_not_run_leaves_the_waiting_and_interactive_sets_as_it_is_claimed(
+async def test_another_tenants_backlog_queued_after_a_job_in_fair_order_does_not_hold_its_admission(
+        redis: Redis) -> None:
+    """A job waits behind the jobs that start before it: a tenant's first job starts at the queue's virtual time,
+    ahead of another tenant's backlog, so that backlog does not make it 529, however long it is."""
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      avg_job_seconds=10.0, started_at=time.time()))
+    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
+
+    async def within(job_id: str, seconds: float, admission: Admission) -> Placement:
+        record = {"status": "queued", "request_id": "req_t", "kind": "sync" if admission.sync else "async"}
+        return await dispatcher.place(job_id, "k", seconds, record, 600, b"{}", admission=admission)
+
+    flood = Admission(tenant="alpha", lane=Lane.interactive)
+    for n in range(30):  # alpha's interactive backlog: (29 / 2 + 1) * 10 s = 155 s for its last job
+        assert (await within(f"job_a{n}", 600, flood)).queue
+    assert (await within("job_a_late", 120, flood)).soonest == pytest.approx(160)  # its own backlog holds it
+    first = await within("job_b", 120, Admission(tenant="beta", lane=Lane.interactive, sync=True))
+    assert first.queue == QUEUE  # (0 / 2 + 1) * 10 s: no job queued before it
+    assert (await start_order(redis)).index("job_b") <= 1  # as admitted: with alpha's first, before the rest
+    batch = await within("job_b_batch", 120, Admission(tenant="beta"))  # behind every interactive job (the lead)
+    assert batch.queue is None and batch.soonest == pytest.approx(165)  # (31 / 2 + 1) * 10 s
+
+
+async def test_a_placement_that_will_not_run_leaves_the_waiting_set_as_it_is_claimed(
         redis: Redis, dispatcher: Dispatcher) -> None:
     await place(dispatcher, "job_gone", Admission(tenant="a", lane=Lane.interactive, sync=True))
     await place(dispatcher, "job_kept", Admission(tenant="a", lane=Lane.interactive, sync=True))
     await redis.delete(keys.job_key("job_gone"))  # its record expired
     assert await claim_and_start(redis, "job_gone.1", "solo") is None
-    for side in (keys.waiting_key(QUEUE), keys.interactive_key(QUEUE)):
-        assert await redis.zrange(side, 0, -1) == [b"job_kept.1"]
+    assert await redis.zrange(keys.waiting_key(QUEUE), 0, -1) == [b"job_kept.1"]
 
 
 async def test_a_tenant_that_was_away_starts_at_the_queues_virtual_time_not_at_its_old_clock(
@@ -216,5 +241,5 @@ async def test_the_backlog_counts_jobs_waiting_to_start_not_running_ones(redis: 
     assert await store.cancel("job_4", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
                                                                                     "message": "m"}))
     backlog = (await reader.read([QUEUE]))[QUEUE]
-    assert await redis.zcard(QUEUE) == 5  # arq's queue still holds the running and the cancelled ones
+    assert await redis.zcard(QUEUE) == 4  # arq's queue holds the running ones; the cancelled one was taken off
     assert backlog.waiting == 2 and 0 <= backlog.oldest_seconds < 5  # job_2 and job_3

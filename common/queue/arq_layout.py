@@ -7,11 +7,10 @@ arq's own `Worker.start_jobs`, `ArqRedis.enqueue_job` and `Job.abort` write (REA
 happens to a request", says why the scripts cannot call them); arq is pinned exactly, and
 tests/test_arq_surface.py checks that the installed release reads this layout.
 
-Beside arq's keys, a queue has two sets of ours that follow its placements: `<queue>:waiting` (when each
-was queued: the backlog the API reports) and `<queue>:interactive` (the interactive lane's placements,
-until they start; what an interactive job waits behind is those whose deadlines have not passed).
-`arq_enqueue` and `arq_take_off` keep them with the queue, a placement leaves them as it is claimed (claims.py)
-or cancelled, and every queue entry wakes its worker (`<queue>` + keys.WAKE_SUFFIX)."""
+Beside arq's keys, a queue has a set of ours that follows its placements: `<queue>:waiting` (when each
+was queued: the backlog the API reports). `arq_enqueue` and `arq_take_off` keep it with the queue, a
+placement leaves it as it is claimed (claims.py) or taken off, and every queue entry wakes its worker
+(`<queue>` + keys.WAKE_SUFFIX). The lane needs no set: it is in the score (placement.py)."""
 
 from __future__ import annotations
 
@@ -22,22 +21,15 @@ local ARQ_JOB, ARQ_IN_PROGRESS, ARQ_RETRY = '{keys.ARQ_JOB}', '{keys.ARQ_IN_PROG
 local ARQ_ABORTS = '{keys.ARQ_ABORTS}'
 
 -- arq's job `id` (its `payload`, as the worker's job_deserializer reads it, for `ttl_ms`) at `score` in
--- `queue`, as enqueue_job writes it; queued since `since` (Redis's clock, s), in the interactive lane
--- until `deadline` when one is given (nil: batch); then the queue's worker is woken.
-local function arq_enqueue(queue, id, payload, ttl_ms, score, since, deadline)
+-- `queue`, as enqueue_job writes it; queued since `since` (Redis's clock, s); then the queue's worker is woken.
+local function arq_enqueue(queue, id, payload, ttl_ms, score, since)
   redis.call('SET', ARQ_JOB .. id, payload, 'PX', ttl_ms)
   redis.call('ZADD', queue, score, id)
-  local sides = {{queue .. ':waiting'}}
-  redis.call('ZADD', sides[1], since, id)
-  if deadline then
-    sides[2] = queue .. ':interactive'
-    redis.call('ZADD', sides[2], deadline, id)
-  end
-  -- The side sets outlive every member's deadline; their expiry moves past what this placement needs, so
-  -- the placements that follow within that time find it far enough and leave it (one PTTL each).
-  for _, key in ipairs(sides) do
-    if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms + {keys.BOUND_SLACK * 1000}) end
-  end
+  local waiting = queue .. ':waiting'
+  redis.call('ZADD', waiting, since, id)
+  -- The waiting set outlives every member's deadline; its expiry moves past what this placement needs, so the
+  -- placements that follow within that time find it far enough and leave it (one PTTL).
+  if redis.call('PTTL', waiting) < ttl_ms then redis.call('PEXPIRE', waiting, ttl_ms + {keys.BOUND_SLACK * 1000}) end
   redis.call('PUBLISH', queue .. '{keys.WAKE_SUFFIX}', 'job ' .. id .. ' ' .. score)
 end
 
@@ -58,16 +50,14 @@ end
 
 -- Placement `id` taken off `queue` with every arq key it has (job, in-progress claim, retry count), so
 -- nothing of it is left for a worker to run or finish: nil when it is not queued there, otherwise what a
--- move needs to queue it again: {{score, payload (false if expired), ttl_ms, since (false if unknown),
--- interactive}}.
+-- move needs to queue it again: {{score, payload (false if expired), ttl_ms, since (false if unknown)}}.
 local function arq_take_off(queue, id)
   local score = redis.call('ZSCORE', queue, id)
   if not score then return nil end
   redis.call('ZREM', queue, id)
   local job = ARQ_JOB .. id
   local taken = {{score = score, payload = redis.call('GET', job), ttl_ms = redis.call('PTTL', job),
-                  since = redis.call('ZSCORE', queue .. ':waiting', id),
-                  interactive = redis.call('ZREM', queue .. ':interactive', id) == 1}}
+                  since = redis.call('ZSCORE', queue .. ':waiting', id)}}
   redis.call('ZREM', queue .. ':waiting', id)
   redis.call('DEL', job, ARQ_IN_PROGRESS .. id, ARQ_RETRY .. id)
   return taken

@@ -4,7 +4,7 @@ start (records.py `record_start`: the record names this placement and the job ha
 script instead of arq's four round trips and the start's own. worker/wakeups.py then hands the job to
 arq's own `Worker.run_job`, and `evaluate` takes the start from there. A placement is claimed even when
 its job may not start (moved, cancelled or ended meanwhile), so that arq finishes it and drops its keys;
-either way, a claimed placement leaves the queue's waiting and interactive sets in the same script.
+either way, a claimed placement leaves the queue's waiting set in the same script.
 The claim names the worker process that holds it (its worker id and a token of its own), so a claim whose
 reply the process lost (Redis restarting, the connection cut) is taken again at its next look at the queue
 instead of standing until it expires, while one held by another process (a paused one whose lease lapsed,
@@ -28,9 +28,8 @@ _CLAIM = ARQ_LUA + START_LUA + """
 local score = arq_claim(KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
 if not score then return false end
 local started = record_start(KEYS[2], ARGV[1], ARGV[5])
--- Claimed, it waits no more, whether it starts or not (a batch job's start knows it was never interactive).
+-- Claimed, it waits no more, whether it starts or not.
 redis.call('ZREM', KEYS[1] .. ':waiting', ARGV[1])
-if not (started and started[5] == 'batch') then redis.call('ZREM', KEYS[1] .. ':interactive', ARGV[1]) end
 return {score, started}
 """
 

@@ -66,12 +66,6 @@ def idempotency_key(tenant: str, key: str) -> str:
     return f"{PREFIX}idem:{tenant}:{key}"
 
 
-def interactive_key(queue: str) -> str:
-    """Zset: the interactive-lane jobs queued on `queue` and not yet started (arq job id -> deadline, Redis
-    seconds), so admission counts only the jobs an interactive job really waits behind."""
-    return queue + ":interactive"
-
-
 def waiting_key(queue: str) -> str:
     """Zset: the jobs queued on `queue` that no worker has started (arq job id -> when it was placed, Redis
     seconds): the backlog an autoscaler reads, which arq's queue (running jobs included) is not."""
@@ -79,7 +73,7 @@ def waiting_key(queue: str) -> str:
 
 
 CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks outlive their last use
-# Seconds a bounded set's expiry (a tenant's counts, a queue's waiting and interactive sets) is moved past the
+# Seconds a bounded set's expiry (a tenant's counts, a queue's waiting set) is moved past the
 # job that moves it, so the jobs that follow within that time find it far enough and leave it (fewer EXPIREs).
 BOUND_SLACK = 60
 

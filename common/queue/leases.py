@@ -63,10 +63,10 @@ _MOVE = ARQ_LUA + RECORD_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 local old = arq_take_off(KEYS[3], ARGV[1])
 if not old then return 0 end
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'deadline_at', 'created_at')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'created_at')
 if not old.payload or old.ttl_ms <= 0 or f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 2 end
 local new = record_requeued(KEYS[1], ARGV[2], KEYS[4], {})
-arq_enqueue(KEYS[4], new, old.payload, old.ttl_ms, old.score, old.since or f[4], old.interactive and f[3] or nil)
+arq_enqueue(KEYS[4], new, old.payload, old.ttl_ms, old.score, old.since or f[3])
 return 1
 """
 

@@ -151,13 +151,24 @@ else
   end
 end
 
--- An interactive job waits only behind the interactive jobs queued there (it goes before batch work).
-local function expected_finish(w)
-  local queued = w.length
-  if interactive then  -- those whose deadline has not passed (an ended job's entry goes as it ends)
-    queued = redis.call('ZCOUNT', w.queue .. ':interactive', '(' .. now, '+inf')
+-- Start-time fair queuing on a worker's queue: its virtual time is the fair start of the job it started last
+-- (records.py `record_start`); a tenant's clock in a lane says where its next job starts, never behind the queue's
+-- virtual time, and each job moves it on by its cost. The job's score there is its fair start (an interactive one's
+-- less the lead), and it waits behind the jobs queued at lower scores alone: another tenant's backlog, queued
+-- after it in fair order, does not count (running jobs are among the lower scores until they end).
+local function fair_place(w)
+  if not w.score then
+    w.clock = w.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
+    local clocks = redis.call('MGET', w.queue .. ':vclock', w.clock)
+    w.start = math.max(tonumber(clocks[1] or 0), tonumber(clocks[2] or 0))
+    w.score = w.start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
   end
-  local ahead = queued + math.max(0, w.running - w.max_jobs + 1)
+  return w
+end
+local function expected_finish(w)
+  fair_place(w)
+  local waiting = math.max(0, redis.call('ZCOUNT', w.queue, '-inf', string.format('(%.17g', w.score)) - w.running)
+  local ahead = waiting + math.max(0, w.running - w.max_jobs + 1)
   return (ahead / w.max_jobs + 1) * w.avg_job_seconds
 end
 local remaining = tonumber(ARGV[6])
@@ -172,15 +183,8 @@ for _, w in ipairs(ranked) do
   end
 end
 if not target then return {'overloaded', tostring(soonest)} end
-
--- Start-time fair queuing on the target's queue: its virtual time is the fair start of the job it started
--- last (records.py `record_start`); a tenant's clock in a lane says where its next job starts, never behind the
--- queue's virtual time, and each job moves it on by its cost.
-local vclock, clock = target.queue .. ':vclock', target.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
-local clocks = redis.call('MGET', vclock, clock)
-local start = math.max(tonumber(clocks[1] or 0), tonumber(clocks[2] or 0))
-redis.call('SET', clock, tostring(start + tonumber(ARGV[17])), 'EX', ARGV[15])
-local score = start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
+local start, score = target.start, target.score
+redis.call('SET', target.clock, tostring(start + tonumber(ARGV[17])), 'EX', ARGV[15])
 
 local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])

@@ -57,15 +57,15 @@ end
 
 # record_start(key, placement, worker): the start of the job of record `key` by `placement` (its arq job id) on
 # `worker`, a Lua function that claims.py's claim runs (the claim also takes the placement out of its queue's
-# waiting and interactive sets). Nothing unless the record names this placement and the job has not ended; then
-# it is running here (its fair start is the queue's virtual time if later, common/queue/placement.py), its
-# `attempts` (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts, lane}
-# by Redis's clock. A running job is taken again only by its own placement (the worker that serves its queue
+# waiting set). Nothing unless the record names this placement and the job has not ended; then it is running
+# here (its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts`
+# (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's
+# clock. A running job is taken again only by its own placement (the worker that serves its queue
 # restarted).
 START_LUA = """
 local function record_start(key, placement, worker)
   local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
-                      'attempts', 'lane')
+                      'attempts')
   if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
   local t = redis.call('TIME')
   local now = t[1] + t[2] / 1e6
@@ -77,7 +77,7 @@ local function record_start(key, placement, worker)
       redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
     end
   end
-  return {f[3], f[4], tostring(now), attempts, f[8]}
+  return {f[3], f[4], tostring(now), attempts}
 end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL))
 
@@ -123,8 +123,9 @@ return 1
 # KEYS: record, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort mark max age (ms),
 # grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace` seconds past, unless
 # grace is -1): an async job keeps the outcome for its reader, a sync job's record goes (its caller is the
-# one ending it). Its placement gets an abort mark for arq (arq_layout.py) and its worker a wake-up saying
-# so; marks older than any job can live are trimmed: the set holds only marks that can still matter.
+# one ending it). A placement not yet started is taken off its queue; a running one gets an abort mark for arq
+# (arq_layout.py) and its worker a wake-up saying so; marks older than any job can live are trimmed: the set
+# holds only marks that can still matter.
 _CANCEL = ARQ_LUA + """
 local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue', 'tenant')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
@@ -132,10 +133,6 @@ local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
 if tonumber(ARGV[6]) >= 0 and now < tonumber(f[4]) + tonumber(ARGV[6]) then return 0 end
 END_FOR_TENANT
-if f[5] then
-  redis.call('ZREM', f[5] .. ':interactive', f[2])
-  redis.call('ZREM', f[5] .. ':waiting', f[2])
-end
 if f[3] == 'sync' then
   redis.call('DEL', KEYS[1])
 else
@@ -143,8 +140,14 @@ else
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 end
 redis.call('PUBLISH', KEYS[2], ARGV[1] .. ' ' .. ARGV[2])
-arq_abort(f[2], math.floor(now * 1000), tonumber(ARGV[5]))
-if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
+if f[1] == 'queued' and f[5] then
+  -- Not started: its placement is taken off its queue with its arq keys, so nothing of it is left to claim and
+  -- no job queued after it counts it as ahead (placement.py's admission).
+  arq_take_off(f[5], f[2])
+else
+  arq_abort(f[2], math.floor(now * 1000), tonumber(ARGV[5]))
+  if f[5] then redis.call('PUBLISH', f[5] .. 'WAKE_SUFFIX', 'abort ' .. f[2]) end
+end
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
     "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]"))

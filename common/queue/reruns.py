@@ -20,18 +20,18 @@ from common.routing import rank_workers
 
 # KEYS: record, the placement's queue, the target queue; ARGV: arq job id, job id, why. 1: queued on the
 # target as the job's next placement (its place in line kept: the same score, so the same lane and fair
-# start; waiting to start again, in the interactive lane if it was; its worker woken: arq_layout.py), with a
+# start; waiting to start again; its worker woken: arq_layout.py), with a
 # copy of the payload; 0: not ours to run again (it ended, was cancelled or moved, or its payload expired).
 # The placement's own arq keys stay for arq, which finishes it.
 _RERUN = ARQ_LUA + RECORD_LUA + """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'lane', 'deadline_at')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement')
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 local payload, ttl = arq_payload(ARGV[1])
 if not payload or ttl <= 0 then return 0 end
 local score = redis.call('ZSCORE', KEYS[2], ARGV[1]) or 'HEAD_OF_QUEUE'
 local new = record_requeued(KEYS[1], ARGV[2], KEYS[3], {'last_failure', ARGV[3]})
 local t = redis.call('TIME')
-arq_enqueue(KEYS[3], new, payload, ttl, score, t[1] + t[2] / 1e6, f[3] == 'interactive' and f[4] or nil)
+arq_enqueue(KEYS[3], new, payload, ttl, score, t[1] + t[2] / 1e6)
 return 1
 """.replace("HEAD_OF_QUEUE", str(-FAIR_ORIGIN_MS))
 
