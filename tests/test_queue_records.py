@@ -115,11 +115,17 @@ async def test_ending_a_finished_job_leaves_no_abort_mark_and_old_marks_are_trim
         assert await store.cancel("job_done", CANCELLED) is False
     assert await redis.zcard(keys.ARQ_ABORTS) == 0
     await redis.zadd(keys.ARQ_ABORTS, {"job_ancient.1": int((time.time() - 3 * 3600) * 1000)})
+    await submit(redis, "job_queued")
+    assert await store.cancel("job_queued", CANCELLED) is True  # not started: taken off its queue, no mark
+    assert not await redis.zscore(keys.queue_name("w1"), "job_queued.1")
+    assert not await redis.exists(keys.ARQ_JOB + "job_queued.1")
     await submit(redis, "job_live")
+    await claim_and_start(redis, "job_live.1", "w1")
     assert await store.cancel("job_live", CANCELLED) is True
     assert await redis.zrange(keys.ARQ_ABORTS, 0, -1) == [b"job_live.1"]  # the ancient mark is gone
-    record = await store.get("job_live")
-    assert record is not None and record.status is JobStatus.cancelled
+    for job_id in ("job_queued", "job_live"):
+        record = await store.get(job_id)
+        assert record is not None and record.status is JobStatus.cancelled
 
 
 async def test_a_sync_job_is_removed_when_collected_or_cancelled(redis: Redis, store: JobStore) -> None:
