@@ -77,6 +77,7 @@ class Scenario:
     requests: int
     questions: int
     state_tokens: int | None = None
+    path: str = "/v1/systemone"  # or "/v1/jobs": an async job, submitted and then awaited (GET ?wait=)
 
 
 @dataclass
@@ -179,24 +180,38 @@ def baseline_checkout(revision: str) -> Iterator[Path]:
         yield path
 
 
-async def load(url: str, body: dict, concurrency: int, requests: int) -> float:
-    """Send `requests` copies of `body`, `concurrency` at a time; returns the wall seconds. The client is the
+async def load(url: str, body: dict, concurrency: int, requests: int, path: str = "/v1/systemone") -> float:
+    """Send `requests` copies of `body` to `path`, `concurrency` at a time; returns the wall seconds. An async
+    job (`path` "/v1/jobs") is awaited with `GET /v1/jobs/{id}?wait=` until it ends. The client is the
     worker's own HTTP/1.1 pool (worker/engine_http.py), a tenth of httpx's CPU per call: with httpx, 64
     callers took most of a core on this 2-vCPU machine, and the stacks measured competed with it."""
     client = EngineHttp(url, max_connections=concurrency)
     payload = orjson.dumps(body)
     remaining = iter(range(requests))
 
+    async def awaited(job_id: str) -> tuple[int, bytes | None]:
+        """An accepted job's end: 200 once it succeeded, 500 when it ended otherwise, or the status of a GET
+        that failed."""
+        while True:
+            status, answer = await client.request("GET", f"/v1/jobs/{job_id}?wait=30", 300)
+            if status != 200 or answer is None:
+                return status, answer
+            ended = orjson.loads(answer)["status"]
+            if ended not in ("queued", "running"):
+                return (200 if ended == "succeeded" else 500), answer
+
     async def caller() -> None:
         for _ in remaining:
             for _attempt in range(RETRIES_503):
-                status, answer = await client.request("POST", "/v1/systemone", 300, payload)
+                status, answer = await client.request("POST", path, 300, payload)
                 if status != 503:
                     break
                 # On an overloaded machine the baseline's worker may miss a heartbeat while its
                 # engine health check waits (fixed since); retry rather than abort the run.
                 retried_503[url] = retried_503.get(url, 0) + 1
                 await asyncio.sleep(0.5)
+            if status == 202 and answer is not None:
+                status, answer = await awaited(orjson.loads(answer)["id"])
             if status != 200:  # counted and reported; one failure must not lose the run
                 failed[url] = failed.get(url, 0) + 1
                 print(f"{url}: {status} {(answer or b'')[:300]!r}", file=sys.stderr)
@@ -227,7 +242,7 @@ def redis_counts(stack: Stack) -> tuple[dict[str, int], int]:
 def measure(stack: Stack, scenario: Scenario) -> Sample:
     calls_before, (commands_before, reads_before) = engine_calls(stack), redis_counts(stack)
     before = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
-    wall = uvloop.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests))
+    wall = uvloop.run(load(stack.url, scenario.body, scenario.concurrency, scenario.requests, scenario.path))
     after = {name: cpu_seconds(pid) for name, pid in stack.pids.items()}
     cpu = {name: (after[name] - before[name]) * 1000 / scenario.requests for name in MEASURED}
     calls = (engine_calls(stack) - calls_before) / scenario.requests
@@ -346,6 +361,8 @@ def scenarios(model_dir: Path, scale: float) -> list[Scenario]:
     example = dict(EXAMPLE_REQUEST)
     found = [Scenario(f"README example, c={c}", example, c, n(count), len(example["questions"]))
              for c, count in ((1, 24), (16, 64), (64, 128))]
+    found.append(Scenario("README example as async jobs, c=16", example, 16, n(64), len(example["questions"]),
+                          path="/v1/jobs"))
     for questions, count in ((1, 64), (4, 48), (16, 32), (64, 16)):
         body = {"model": "jev-latest", "state": "I was charged twice for one order.",
                 "questions": noul_questions(questions)}
@@ -480,7 +497,7 @@ def main() -> int:
         stacks = [resources.enter_context(running_stack(stack, model_dir, log_dir)) for stack in wanted]
         for stack in stacks:  # connections, tokenizer caches, the engine's first calls
             for scenario in found:
-                uvloop.run(load(stack.url, scenario.body, 4, 8))
+                uvloop.run(load(stack.url, scenario.body, 4, 8, scenario.path))
         results: dict[tuple[str, str], list[Sample]] = {}
         idle: dict[str, list[dict[str, float]]] = {s.name: [] for s in stacks}
         for round_index in range(args.rounds):

@@ -77,8 +77,8 @@ CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks 
 # job that moves it, so the jobs that follow within that time find it far enough and leave it (fewer EXPIREs).
 BOUND_SLACK = 60
 
-ASYNC_JOBS = PREFIX + "async"  # zset: every tenant's async jobs not yet ended (job id -> deadline), what a tenant's
-# share of the queued async jobs is taken of when Redis nears its maxmemory (placement.py)
+ASYNC_JOBS = PREFIX + "async"  # zset: every tenant's async jobs not yet ended (job id -> deadline), kept where tenants
+# share the queue: what a tenant's share of the queued async jobs is taken of when Redis nears its maxmemory
 TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
 
 

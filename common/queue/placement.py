@@ -167,7 +167,9 @@ local function fair_place(w)
 end
 local function expected_finish(w)
   fair_place(w)
-  local waiting = math.max(0, redis.call('ZCOUNT', w.queue, '-inf', string.format('(%.17g', w.score)) - w.running)
+  local lower = 0  -- none waits when the queue holds no more than the jobs running
+  if w.length > w.running then lower = redis.call('ZCOUNT', w.queue, '-inf', string.format('(%.17g', w.score)) end
+  local waiting = math.max(0, lower - w.running)
   local ahead = waiting + math.max(0, w.running - w.max_jobs + 1)
   return (ahead / w.max_jobs + 1) * w.avg_job_seconds
 end
@@ -197,17 +199,19 @@ arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive 
 -- records.py, or here once its deadline has passed).
 redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
 redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
+-- All tenants' async jobs not yet ended, for the crowding band, where tenants share the queue.
+local counted = {}
 if ARGV[20] == 'async' then
-  for _, key in ipairs({tenant_async, 'ASYNC_JOBS'}) do
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-    redis.call('ZADD', key, deadline, ARGV[8])
-  end
+  counted = {tenant_async}
+  if tonumber(ARGV[24]) > 0 then counted[2] = 'ASYNC_JOBS' end
+end
+for _, key in ipairs(counted) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZADD', key, deadline, ARGV[8])
 end
 -- These sets outlive every member's deadline; their expiry moves BOUND_SLACK s further than this job needs, so
 -- the jobs that follow within that time find it far enough and leave it (one TTL each, no EXPIRE).
-local bounded = {tenant_jobs}
-if ARGV[20] == 'async' then bounded[#bounded + 1] = tenant_async bounded[#bounded + 1] = 'ASYNC_JOBS' end
-for _, key in ipairs(bounded) do
+for _, key in ipairs({tenant_jobs, unpack(counted)}) do
   if redis.call('TTL', key) < ttl then redis.call('EXPIRE', key, ttl + BOUND_SLACK) end
 end
 if ARGV[12] ~= '' then redis.call('SET', ARGV[12], ARGV[8] .. ':' .. ARGV[13], 'EX', ttl) end
