@@ -12,8 +12,8 @@ this package, and nothing else writes Redis. A job's life, step by step:
 3. records.py    The record's start (`record_start`, run by the worker's claim in claims.py) marks it
                  running only if the record still names its placement; `store` keeps the outcome
                  only from that placement, once, and publishes "<job id> <status>"; the API's `cancel`
-                 ends a job (with a bounded abort mark) and `collect` reads and removes a sync job's
-                 record at delivery.
+                 ends a job (one not yet started is taken off its queue, a running one gets a bounded
+                 abort mark) and `collect` reads and removes a sync job's record at delivery.
 4. membership.py Heartbeats (stamped with Redis's clock) say who is live and what it can take.
 5. leases.py     Each worker holds a lease on its id. Once a lease lapses, live workers move that
                  worker's jobs as new placements; a worker that finds its lease lapsed takes a new
