@@ -27,7 +27,7 @@ from common.tenants import KeysFileError, TenantDirectory, parse_keys_file
 from common.tokenizer import qwen36_tokenizer
 from harness.processes import start_api, start_scripted_engine
 from harness.redis_servers import fresh_redis
-from harness.stacks import Stack, build_stack
+from harness.stacks import Stack, build_stack, isolated_scripted_stack
 from harness.web import web
 from openjev.embedded_redis import RedisServer
 from tests.test_api_contract import NOUL, body
@@ -273,6 +273,42 @@ def test_a_changed_keys_file_takes_effect_without_a_restart(tenant_stack: Stack,
         time.sleep(0.2)
     assert status == 401  # gamma removed again
     assert KEY_C not in tenant_stack.api.output()  # keys never reach the log
+
+
+def test_another_tenants_backlog_does_not_turn_a_request_away_that_would_start_next(
+        model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
+    """Admission (529 when no worker could finish a job before its deadline) counts the jobs queued ahead in
+    fair order: alpha's backlog of interactive jobs turns alpha's own sync request away, but not beta's,
+    which starts before that backlog. Before, beta's was refused as if it waited behind all of alpha's."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[tenants.alpha]\nkey = "{KEY_A}"\n\n[tenants.beta]\nkey = "{KEY_B}"\n')
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_API_KEYS_FILE=str(keys_file),
+                                 OPENJEV_MAX_CONCURRENT_REQUESTS="2", OPENJEV_REQUEST_TIMEOUT="10") as stack:
+        stack.script(delay=0.5)  # a job: a warm call and a branch, about 1 s
+
+        def sync(key: str, state: str) -> httpx.Response:
+            return web.post(stack.url + "/v1/systemone", json=body({"q": NOUL}, state=state), headers=auth(key),
+                            timeout=30)
+
+        for n in range(2):  # the worker learns how long a job takes (its heartbeat carries it)
+            assert sync(KEY_B, f"learn {n}").status_code == 200
+        backlog = []
+        for n in range(40):  # about 20 s of alpha's interactive work queued: past a sync request's 10 s
+            payload = {**body({"q": NOUL}, state=f"alpha backlog {n}"), "x_priority": "interactive"}
+            response = submit(stack, KEY_A, payload)
+            assert response.status_code == 202, response.text
+            backlog.append(response.json()["id"])
+        try:
+            refused = sync(KEY_A, "alpha, behind its own backlog")
+            assert refused.status_code == 529, refused.text
+            assert refused.json()["detail"]["error_type"] == "overloaded_error"
+            started = time.monotonic()
+            answered = sync(KEY_B, "beta, next in fair order")
+            assert answered.status_code == 200, answered.text
+            assert time.monotonic() - started < 10
+        finally:
+            for job_id in backlog:  # not started: taken off the queue at once
+                web.delete(f"{stack.url}/v1/jobs/{job_id}", headers=auth(KEY_A), timeout=30)
 
 
 def record_times(redis_url: str, job_ids: list[str]) -> dict[str, tuple[float, float]]:
