@@ -197,6 +197,7 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenan
         sync = Admission(tenant="alpha", lane=Lane.interactive, sync=True, shared=True)
         assert (await place(dispatcher, "job_sync", sync)).queue == QUEUE  # no band for sync jobs
         assert await redis.zcard(keys.ASYNC_JOBS) == 6  # alpha 3, beta 3
+        assert await redis.hget(keys.job_key("job_b0"), "counted") == b"1"  # its record says so
 
         store = JobStore(redis, result_ttl=60)
         assert await claim_and_start(redis, "job_a0.1", "solo") is not None
@@ -207,6 +208,7 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenan
         assert (await place(dispatcher, "job_a3", shared("alpha"))).queue == QUEUE  # alpha held 1 of 4
         assert (await place(dispatcher, "job_alone", Admission(tenant="alpha"))).queue == QUEUE  # a one-tenant queue
         assert await redis.zcard(keys.ASYNC_JOBS) == 5  # which keeps no count of all tenants' jobs
+        assert await redis.hget(keys.job_key("job_alone"), "counted") is None
     finally:
         await redis.config_set("maxmemory", 0)
 

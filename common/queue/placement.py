@@ -191,20 +191,23 @@ redis.call('SET', target.clock, tostring(start + tonumber(ARGV[17])), 'EX', ARGV
 local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
-record_placed(ARGV[9], ttl, {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
-                              'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline),
-                              unpack(ARGV, 25)})
-arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now, interactive and deadline or nil)
--- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
--- records.py, or here once its deadline has passed).
-redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
-redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
--- All tenants' async jobs not yet ended, for the crowding band, where tenants share the queue.
+-- An async job is in its tenant's count of queued async jobs and, where tenants share the queue (the band is on),
+-- in all tenants' count, which its record says ('counted'), so that only such a job leaves it as it ends.
 local counted = {}
 if ARGV[20] == 'async' then
   counted = {tenant_async}
   if tonumber(ARGV[24]) > 0 then counted[2] = 'ASYNC_JOBS' end
 end
+local fields = {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
+                'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline)}
+if counted[2] then fields[#fields + 1] = 'counted' fields[#fields + 1] = '1' end
+for i = 25, #ARGV do fields[#fields + 1] = ARGV[i] end
+record_placed(ARGV[9], ttl, fields)
+arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now)
+-- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
+-- records.py, or here once its deadline has passed).
+redis.call('ZREMRANGEBYSCORE', tenant_jobs, '-inf', now)
+redis.call('ZADD', tenant_jobs, deadline, ARGV[8])
 for _, key in ipairs(counted) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   redis.call('ZADD', key, deadline, ARGV[8])

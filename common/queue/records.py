@@ -82,18 +82,17 @@ end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL))
 
 
-def _leave_tenant_counts(tenant: str, job_id: str, kind: str) -> str:
-    """Lua: a job that ends leaves its tenant's counts of jobs not yet ended (`tenant`, `job_id`, `kind`:
-    Lua expressions for the record's tenant field, the job id and the record's kind; only an async job is
-    in the counts of queued async jobs, the tenant's and all tenants')."""
+def _leave_tenant_counts(tenant: str, job_id: str, kind: str, counted: str) -> str:
+    """Lua: a job that ends leaves the counts of jobs not yet ended (`tenant`, `job_id`, `kind`, `counted`: Lua
+    expressions for the record's tenant field, the job id, the record's kind and its 'counted' field): its
+    tenant's, and for an async job its tenant's count of queued async jobs and, where its record says it is
+    in it, all tenants' (placement.py)."""
     return f"""
 if {tenant} then
   redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':jobs', {job_id})
-  if {kind} ~= 'sync' then
-    redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id})
-    redis.call('ZREM', '{keys.ASYNC_JOBS}', {job_id})
-  end
-end"""
+  if {kind} ~= 'sync' then redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id}) end
+end
+if {counted} == '1' then redis.call('ZREM', '{keys.ASYNC_JOBS}', {job_id}) end"""
 
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
@@ -103,7 +102,7 @@ end"""
 # reader, the request waiting for it, then answers without reading the record back; the record stays
 # the truth for a waiter that missed the notice, for SYNC_ANSWERED_KEEP seconds.
 _STORE = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by', 'tenant')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'ended_by', 'tenant', 'counted')
 if f[4] == ARGV[1] then return 1 end
 if f[2] ~= ARGV[1] or (f[1] ~= 'queued' and f[1] ~= 'running') then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'outcome', ARGV[3], 'ended_by', ARGV[1])
@@ -118,7 +117,7 @@ end
 return 1
 """.replace("SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace("SYNC_KEEP", str(SYNC_KEEP)).replace(
     "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]", "f[6]"))
 
 # KEYS: record, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort mark max age (ms),
 # grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace` seconds past, unless
@@ -127,7 +126,7 @@ return 1
 # (arq_layout.py) and its worker a wake-up saying so; marks older than any job can live are trimmed: the set
 # holds only marks that can still matter.
 _CANCEL = ARQ_LUA + """
-local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue', 'tenant')
+local f = redis.call('HMGET', KEYS[1], 'status', 'placement', 'kind', 'deadline_at', 'queue', 'tenant', 'counted')
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1e6
@@ -150,7 +149,7 @@ else
 end
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]", "f[7]"))
 
 # KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
 _COLLECT = """
