@@ -91,15 +91,16 @@ def isolated_scripted_stack(model_dir: Path, log_dir: Path, **overrides: str) ->
             stack.stop()
 
 
-def final_statuses(api_url: str, job_ids: list[str], timeout: float = 180.0) -> list[str]:
-    """Each async job's final status, in order (GET ?wait= until it ends), or what stopped the wait: an
-    error's status and type, or "still pending" at `timeout`. A 503 (Redis restarting or failing over)
-    must carry Retry-After, and is asked again."""
+def final_statuses(api_url: str, job_ids: list[str], timeout: float = 180.0,
+                   headers: dict[str, str] | None = None) -> list[str]:
+    """Each async job's final status, in order (GET ?wait= until it ends, with `headers`: its tenant's key), or
+    what stopped the wait: an error's status and type, or "still pending" at `timeout`. A 503 (Redis
+    restarting or failing over) must carry Retry-After, and is asked again."""
     deadline = time.monotonic() + timeout
 
     def final(job_id: str) -> str:
         while time.monotonic() < deadline:
-            response = web.get(f"{api_url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30)
+            response = web.get(f"{api_url}/v1/jobs/{job_id}", params={"wait": 10}, headers=headers, timeout=30)
             if response.status_code == 503:
                 assert int(response.headers["retry-after"]) >= 1
                 time.sleep(0.2)

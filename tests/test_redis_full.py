@@ -21,6 +21,11 @@ from tests.test_logs import events
 pytestmark = pytest.mark.integration
 
 
+def request(i: int) -> dict:
+    """A job of about 12 kB in Redis: a few hundred of them fill the tests' small maxmemory."""
+    return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
+
+
 @pytest.fixture
 def stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
     with isolated_scripted_stack(model_dir, log_dir) as running:  # its own Redis: CONFIG SET is server-wide
@@ -87,9 +92,6 @@ def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_k
         try:
             stack.script(delay=0.3)  # the worker's slots stay busy: the jobs pile up in its queue
 
-            def request(i: int) -> dict:
-                return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
-
             first = web.post(stack.url + "/v1/jobs", json=request(0), timeout=30)  # Redis's first job: ~0.2 MB
             assert first.status_code == 202, first.text
             job_ids = [first.json()["id"]]
@@ -143,9 +145,6 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
         try:
             stack.script(delay=0.3)  # the worker's slots stay busy: the jobs pile up in its queue
 
-            def request(i: int) -> dict:
-                return body({"q": NOUL}, state=f"Ticket {i}: refund? " + "The order arrived damaged. " * 60)
-
             def post(i: int, headers: dict[str, str], path: str = "/v1/jobs") -> httpx.Response:
                 return web.post(stack.url + path, json=request(i), headers=headers, timeout=30)
 
@@ -182,7 +181,9 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
             assert counted and float(counted[0].split()[-1]) >= 2, counted
 
             stack.script(delay=0.0)
-            assert [ended(stack, job_id, headers) for job_id, headers in mine.items()] == ["succeeded"] * len(mine)
+            for headers in (alpha, beta):
+                theirs = [job_id for job_id, owner in mine.items() if owner is headers]
+                assert final_statuses(stack.url, theirs, 60, headers) == ["succeeded"] * len(theirs)
             assert int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0)) == 0  # none refused
             assert stack.workers[0].alive() and "Traceback" not in stack.workers[0].output()
             print(f"\nalpha: {len(mine) - 5} jobs queued until its share was refused; beta: 5 after it")
@@ -190,13 +191,3 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
             client.config_set("maxmemory", 0)
             client.close()
 
-
-def ended(stack: Stack, job_id: str, headers: dict[str, str], timeout: float = 60.0) -> str:
-    """The job's final status (its tenant's key in `headers`), or "still pending" at `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        response = web.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 10}, headers=headers, timeout=30)
-        assert response.status_code == 200, response.text
-        if response.json()["status"] not in ("queued", "running"):
-            return response.json()["status"]
-    return "still pending"

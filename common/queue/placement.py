@@ -156,17 +156,12 @@ end
 -- virtual time, and each job moves it on by its cost. The job's score there is its fair start (an interactive one's
 -- less the lead), and it waits behind the jobs queued at lower scores alone: another tenant's backlog, queued
 -- after it in fair order, does not count (running jobs are among the lower scores until they end).
-local function fair_place(w)
-  if not w.score then
-    w.clock = w.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
-    local clocks = redis.call('MGET', w.queue .. ':vclock', w.clock)
-    w.start = math.max(tonumber(clocks[1] or 0), tonumber(clocks[2] or 0))
-    w.score = w.start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
-  end
-  return w
-end
+-- Each worker's is read once (its expected finish is asked once) and kept on it for the target's placement.
 local function expected_finish(w)
-  fair_place(w)
+  w.clock = w.queue .. ':clock:' .. ARGV[16] .. ':' .. ARGV[14]
+  local clocks = redis.call('MGET', w.queue .. ':vclock', w.clock)
+  w.start = math.max(tonumber(clocks[1] or 0), tonumber(clocks[2] or 0))
+  w.score = w.start - tonumber(ARGV[21]) - (interactive and tonumber(ARGV[22]) or 0)
   local lower = 0  -- none waits when the queue holds no more than the jobs running
   if w.length > w.running then lower = redis.call('ZCOUNT', w.queue, '-inf', string.format('(%.17g', w.score)) end
   local waiting = math.max(0, lower - w.running)
