@@ -34,10 +34,11 @@ def tenant_of(scope: Scope) -> Tenant:
     return scope["state"]["tenant"]
 
 
-def queue_shared(scope: Scope) -> bool:
-    """Whether other tenants may queue jobs too (the keys file names more than one): then the queue's memory is
-    shared out when Redis nears its maxmemory (common/queue/placement.py)."""
-    return scope["state"].get("queue_shared", False)
+def queue_weight(scope: Scope) -> float:
+    """The weights of all the tenants that may queue jobs, where the keys file names more than one (0: the queue
+    is one tenant's): then the queue's memory is shared out by weight when Redis nears its maxmemory
+    (common/queue/placement.py)."""
+    return scope["state"].get("queue_weight", 0.0)
 
 
 class TenantKeys:
@@ -125,7 +126,7 @@ class KeyGate:
             return
         directory = self.keys.directory
         state = scope.setdefault("state", {})
-        state["queue_shared"] = len(directory.tenants) > 1
+        state["queue_weight"] = directory.shared_weight
         if directory.open:
             state["tenant"] = next(iter(directory.tenants.values()))
             await self.app(scope, receive, send)

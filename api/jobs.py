@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from api.auth import queue_shared, tenant_of
+from api.auth import queue_weight, tenant_of
 from api.errors import ApiError, JobLost, JobNotFound
 from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
@@ -63,7 +63,7 @@ async def submit_job(request: Request, response: Response,
     claim = None if idempotency_key is None else IdempotencyClaim(idempotency_key, _digest(body))
     tenant = tenant_of(request.scope)
     queued = admission_of(tenant, job, Lane(body.x_priority or Lane.batch), sync=False,
-                          shared=queue_shared(request.scope))
+                          shared_weight=queue_weight(request.scope))
     submitted = await services.queue.submit(job, queued, idempotency=claim)
     if submitted.held is not None:
         return _located(response, _view(await _held_job(request, submitted.held, claim)), status=200)

@@ -61,9 +61,10 @@ class ApiMetrics:
         self.redis_up = Gauge("openjev_redis_up", "1 when the queue answered this scrape", registry=r)
         self.redis_memory = Gauge("openjev_redis_memory_bytes", "The queue's Redis memory: used, its maxmemory (0: "
                                   "none), admission, past which the API takes no new async job (maxmemory less "
-                                  "OPENJEV_REDIS_HEADROOM; sync jobs may use half of it), and crowding, past which "
-                                  "it takes none from a tenant holding half or more of the queued async jobs (less "
-                                  "twice the headroom); absent when Redis refuses INFO", ["kind"], registry=r)
+                                  "OPENJEV_REDIS_HEADROOM; sync jobs may use half of it), and, where tenants share "
+                                  "the queue, crowding, past which it takes none from a tenant holding more than its "
+                                  "weight's share of the queued async jobs (less twice the headroom); absent when "
+                                  "Redis refuses INFO", ["kind"], registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "
@@ -127,7 +128,8 @@ class ApiMetrics:
         if memory is not None:
             for kind, value in (("used", memory.used), ("maxmemory", memory.limit), ("admission", memory.admission),
                                 ("crowding", memory.crowding)):
-                self.redis_memory.labels(kind).set(value)
+                if value is not None:  # crowding: where tenants share the queue
+                    self.redis_memory.labels(kind).set(value)
         for gauge in (self.queue_depth, self.worker_running, self.worker_endings, self.waiting, self.oldest_waiting,
                       *self.worker_figures.values()):
             gauge.clear()  # workers that left must not linger as stale series

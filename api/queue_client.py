@@ -86,13 +86,13 @@ class Submitted:
     held: str | None = None
 
 
-def admission_of(tenant: Tenant, job: JobSpec, lane: Lane, sync: bool, shared: bool) -> Admission:
-    """How `tenant`'s `job` queues: its limits, its weight, its lane, its cost in engine prompts, and whether
-    other tenants share the queue (`shared`)."""
+def admission_of(tenant: Tenant, job: JobSpec, lane: Lane, sync: bool, shared_weight: float) -> Admission:
+    """How `tenant`'s `job` queues: its limits, its weight, its lane, its cost in engine prompts, and the
+    weights of all the tenants sharing the queue (`shared_weight`; 0 where it is this tenant's alone)."""
     return Admission(tenant=tenant.name, lane=lane, sync=sync,
                      prompts=1 + len(job.branches) + len(job.final_rounds), weight=tenant.weight,
                      max_concurrent_jobs=tenant.limits.max_concurrent_jobs,
-                     max_queued_jobs=tenant.limits.max_queued_jobs, shared=shared)
+                     max_queued_jobs=tenant.limits.max_queued_jobs, shared_weight=shared_weight)
 
 
 class JobQueue:
@@ -127,10 +127,11 @@ class JobQueue:
         with self._reachable():
             return await self._limiter.usage(tenant)
 
-    async def memory(self) -> RedisMemory | None:
-        """Redis's memory and where placements stop (/metrics); None when its ACL refuses INFO."""
+    async def memory(self, shared: bool) -> RedisMemory | None:
+        """Redis's memory and where placements stop (/metrics; `shared`: tenants share the queue); None when its
+        ACL refuses INFO."""
         with self._reachable():
-            return await self.dispatcher.memory()
+            return await self.dispatcher.memory(shared)
 
     async def backlog(self, workers: list[WorkerInfo]) -> dict[str, Backlog]:
         """Each worker's jobs waiting to start (not the running ones), by worker id; one round trip."""
@@ -171,10 +172,11 @@ class JobQueue:
         if placed.crowding is not None:
             mine, everyone = placed.crowding
             raise TenantLimited(f"the job queue is nearly full (its Redis nears its maxmemory), and tenant "
-                                f"{admission.tenant!r} holds {mine} of its {everyone} queued async jobs: its async "
-                                "jobs are refused until some have ended, so that other tenants' still get in; sync "
-                                "requests are not held by this; retry later", {"Retry-After": "5"}, admission.tenant,
-                                "queue_share")
+                                f"{admission.tenant!r} holds {mine} of its {everyone} queued async jobs, more than "
+                                f"its share (its weight {admission.weight:g} of all tenants' "
+                                f"{admission.shared_weight:g}): its async jobs are refused until some have ended, so "
+                                "that other tenants' still get in; sync requests are not held by this; retry later",
+                                {"Retry-After": "5"}, admission.tenant, "queue_share")
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",
                            {"Retry-After": "5"})

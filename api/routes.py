@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.auth import queue_shared, tenant_of
+from api.auth import queue_weight, tenant_of
 from api.errors import ApiError, ClientDisconnected, DeadlineExceeded, JobFailed
 from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
@@ -36,7 +36,7 @@ async def systemone(request: Request,
     request.state.job_id = job.id
     tenant = tenant_of(request.scope)
     queued = admission_of(tenant, job, Lane(body.x_priority or Lane.interactive), sync=True,
-                          shared=queue_shared(request.scope))
+                          shared_weight=queue_weight(request.scope))
     outcome = await _run_unless_disconnected(request, job, queued)
     if outcome is None:
         await _end(request, job, JobStatus.expired, "timeout_error", "the request did not finish before its deadline",
@@ -184,7 +184,7 @@ async def metrics(request: Request) -> Response:
     try:
         members = await services.queue.fleet()
         backlog = await services.queue.backlog([w for w, _ in members])
-        memory = await services.queue.memory()
+        memory = await services.queue.memory(shared=queue_weight(request.scope) > 0)
     except ApiError:
         return Response(request.app.state.metrics.render(None, {}), media_type=CONTENT_TYPE_LATEST)
     live = [w for w, _ in members if w.engine_ok]

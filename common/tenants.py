@@ -70,6 +70,8 @@ class TenantDirectory:
         self.tenants = {t.name: t for t in tenants}
         self.source = source
         self.open = len(tenants) == 1 and tenants[0].key_sha256 is None
+        # the tenants' weights together where they share the queue (0 for one tenant: the queue is its own)
+        self.shared_weight = sum(t.weight for t in tenants) if len(tenants) > 1 else 0.0
 
     @classmethod
     def single(cls, key: str | None) -> TenantDirectory:

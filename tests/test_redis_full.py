@@ -17,6 +17,7 @@ from harness.web import web
 from tests.conftest import wait_until
 from tests.test_api_contract import NOUL, body
 from tests.test_logs import events
+from tests.test_metrics import samples
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +132,7 @@ ALPHA_KEY, BETA_KEY = "alpha-key-0123456789", "beta-key-0123456789"
 def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_flooding_it(
         model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
     """Two tenants share the queue; one floods it with async jobs. Past twice the headroom below Redis's
-    maxmemory the flooding tenant gets 429 (it holds half or more of the queued async jobs, here all of them),
+    maxmemory the flooding tenant gets 429 (it holds more than its half of the queued async jobs, here all of them),
     while the other tenant's async jobs still get in, and so do the flooding tenant's sync requests; every
     accepted job then runs, and the refusals are counted by tenant. Without the band the flood takes Redis up
     to the headroom and the other tenant's async jobs get 503 "the job queue is full"."""
@@ -162,6 +163,7 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
             assert refused is not None and refused.status_code == 429, refused and refused.text
             assert refused.json()["detail"]["error_type"] == "rate_limit_error"
             assert "tenant 'alpha' holds" in refused.json()["detail"]["message"], refused.text
+            assert "its weight 1 of all tenants' 2" in refused.json()["detail"]["message"], refused.text
             assert int(refused.headers["retry-after"]) >= 1
             assert len(mine) >= 10, len(mine)
             memory = client.info("memory")
@@ -179,6 +181,8 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
             counted = [line for line in metrics.splitlines()
                        if line.startswith('openjev_tenant_limited_total{limit="queue_share",tenant="alpha"}')]
             assert counted and float(counted[0].split()[-1]) >= 2, counted
+            crowding = samples(metrics)[("openjev_redis_memory_bytes", (("kind", "crowding"),))]
+            assert crowding == int(client.info("memory")["maxmemory"] * 0.6)  # twice the headroom below maxmemory
 
             stack.script(delay=0.0)
             for headers in (alpha, beta):

@@ -171,18 +171,19 @@ async def test_queued_async_jobs_are_limited_apart_from_sync_ones(redis: Redis, 
     assert (usage.jobs, usage.async_jobs) == (2, 1)
 
 
-async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenant_holding_half_of_them(
+async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_a_tenant_past_its_weights_share(
         redis: Redis) -> None:
     """Within twice the headroom of Redis's maxmemory (and short of the headroom itself), a tenant that holds
-    half or more of all tenants' queued async jobs places no more of them, even alone so far, so the rest of
-    Redis stays the other tenants'; its sync jobs, other tenants' async jobs and a queue of one tenant are not
-    held by it, and a job that ends leaves the count of all tenants' too."""
+    more than its weight's share of all tenants' queued async jobs (its weight over all tenants' weights) places
+    no more of them, even alone so far, so the rest of Redis stays the other tenants'; a heavier tenant may hold
+    more; its sync jobs and a queue of one tenant are not held by it, and a job that ends leaves the count of all
+    tenants' too."""
     await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
                                       started_at=time.time()))
     dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.3)
 
-    def shared(tenant: str) -> Admission:
-        return Admission(tenant=tenant, shared=True)
+    def shared(tenant: str, weight: float = 1.0) -> Admission:  # alpha and beta weigh 1, gamma 2: 4 in all
+        return Admission(tenant=tenant, weight=weight, shared_weight=4.0)
 
     for n in range(3):  # Redis far from its limit: a tenant may hold every queued job
         assert (await place(dispatcher, f"job_a{n}", shared("alpha"))).queue == QUEUE
@@ -190,13 +191,16 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenan
     try:  # 1 - 2 * 0.3 and short of 1 - 0.3
         assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 3)  # alone, holding them all
         assert not await redis.exists(keys.job_key("job_a3"))  # nothing of it written
-        for n in range(3):  # beta holds 1 of 4, 2 of 5, 3 of 6
+        for n in range(2):  # beta holds 0 of 3, then 1 of 4: within its quarter
             assert (await place(dispatcher, f"job_b{n}", shared("beta"))).queue == QUEUE
-        assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 6)
-        assert (await place(dispatcher, "job_b3", shared("beta"))).crowding == (3, 6)
-        sync = Admission(tenant="alpha", lane=Lane.interactive, sync=True, shared=True)
+        assert (await place(dispatcher, "job_b2", shared("beta"))).crowding == (2, 5)  # 2 of 5: past it
+        for n in range(6):  # gamma weighs half of all: it gets in holding 5 of 10, where half the jobs held no tenant
+            assert (await place(dispatcher, f"job_g{n}", shared("gamma", 2.0))).queue == QUEUE
+        assert (await place(dispatcher, "job_g6", shared("gamma", 2.0))).crowding == (6, 11)
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 11)
+        sync = Admission(tenant="alpha", lane=Lane.interactive, sync=True, shared_weight=4.0)
         assert (await place(dispatcher, "job_sync", sync)).queue == QUEUE  # no band for sync jobs
-        assert await redis.zcard(keys.ASYNC_JOBS) == 6  # alpha 3, beta 3
+        assert await redis.zcard(keys.ASYNC_JOBS) == 11  # alpha 3, beta 2, gamma 6
         assert await redis.hget(keys.job_key("job_b0"), "counted") == b"1"  # its record says so
 
         store = JobStore(redis, result_ttl=60)
@@ -204,11 +208,32 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_the_tenan
         assert await store.store("job_a0.1", JobOutcome(status=JobStatus.succeeded, result={}), time.monotonic() + 5)
         assert await store.cancel("job_a1", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
                                                                                         "message": "m"}))
-        assert await redis.zcard(keys.ASYNC_JOBS) == 4  # both ended jobs left it
-        assert (await place(dispatcher, "job_a3", shared("alpha"))).queue == QUEUE  # alpha held 1 of 4
+        assert await redis.zcard(keys.ASYNC_JOBS) == 9  # both ended jobs left it
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).queue == QUEUE  # alpha held 1 of 9
         assert (await place(dispatcher, "job_alone", Admission(tenant="alpha"))).queue == QUEUE  # a one-tenant queue
-        assert await redis.zcard(keys.ASYNC_JOBS) == 5  # which keeps no count of all tenants' jobs
+        assert await redis.zcard(keys.ASYNC_JOBS) == 10  # which keeps no count of all tenants' jobs
         assert await redis.hget(keys.job_key("job_alone"), "counted") is None
+    finally:
+        await redis.config_set("maxmemory", 0)
+
+
+async def test_near_its_maxmemory_two_tenants_sharing_the_queue_alike_both_keep_placing(redis: Redis) -> None:
+    """Two tenants of the same weight, each holding half of the queued async jobs: neither holds more than its
+    share, so in the band both still place (no third tenant is there to keep room for); the one that gets ahead
+    is held until the other catches up."""
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      started_at=time.time()))
+    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.3)
+    pair = {name: Admission(tenant=name, shared_weight=2.0) for name in ("alpha", "beta")}
+    for n in range(2):
+        for name in pair:
+            assert (await place(dispatcher, f"job_{name}{n}", pair[name])).queue == QUEUE
+    await redis.config_set("maxmemory", (await redis.info("memory"))["used_memory"] * 2)
+    try:
+        assert (await place(dispatcher, "job_alpha2", pair["alpha"])).queue == QUEUE  # 2 of 4: its half
+        assert (await place(dispatcher, "job_alpha3", pair["alpha"])).crowding == (3, 5)  # ahead: held
+        assert (await place(dispatcher, "job_beta2", pair["beta"])).queue == QUEUE  # 2 of 5
+        assert (await place(dispatcher, "job_alpha3", pair["alpha"])).queue == QUEUE  # 3 of 6: its half again
     finally:
         await redis.config_set("maxmemory", 0)
 

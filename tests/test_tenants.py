@@ -80,6 +80,10 @@ def test_a_keys_file_gives_each_tenant_its_key_limits_and_weight() -> None:
     assert last is not None and last.weight == 3.0 and last.limits.burst == 1
     assert directory.authenticate(b"tenant-a-key-012345678") is None  # a prefix of a key is no key
     assert directory.authenticate(KEY_A.encode() + b"9") is None
+    assert directory.shared_weight == sum(t.weight for t in directory.tenants.values()) == 3.0 + len(
+        directory.tenants) - 1  # the tenants share the queue's memory by weight; one tenant alone shares nothing
+    for alone in (TenantDirectory.single("a-key-0123456789abc"), TenantDirectory.single(None)):
+        assert alone.shared_weight == 0
 
 
 @pytest.mark.parametrize(("text", "line", "says"), [

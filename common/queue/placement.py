@@ -1,7 +1,8 @@
 """Submission in one step, inside Redis: one script claims the client's idempotency key (if any, per
 tenant), checks the tenant's limits (its jobs not yet ended, sync and async) and that Redis has room past
 the jobs it holds (a headroom below its maxmemory, kept for their starts and ends; where tenants share the
-queue, a band as wide below that is kept from a tenant holding half or more of the queued async jobs), reads
+queue, a band as wide below that is kept from a tenant holding more than its weight's share of the queued
+async jobs), reads
 the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its small routing hash;
 queue lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
 record, arq's job and the queue entry at the job's score, and wakes the worker (its queue's wake
@@ -57,11 +58,12 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 # weighted), 18 max concurrent jobs (0: no limit), 19 max queued async jobs (0: no limit), 20 'async' or
 # 'sync', 21 fair origin (ms), 22 interactive lead (ms), 23 headroom (the share of maxmemory kept; 0: none),
 # 24 the crowding band below it (a share of maxmemory; 0: none, for a sync job or a queue of one tenant),
-# 25 ... record field/value pairs.
+# 25 the tenant's weight, 26 the weights of all tenants sharing the queue, 27 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at, 'noinfo' when INFO was refused or ''} | {'held',
 #      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
 #      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's queued
-#      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds half or more)
+#      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds more than its
+#      weight's share)
 #      | {'none'} (no worker with a fresh heartbeat and a healthy engine) | {'overloaded', seconds until the
 #      soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
@@ -82,7 +84,12 @@ local max_jobs, max_queued = tonumber(ARGV[18]), tonumber(ARGV[19])
 if max_jobs > 0 and redis.call('ZCOUNT', tenant_jobs, '(' .. now, '+inf') >= max_jobs then
   return {'limited', 'max_concurrent_jobs', max_jobs}
 end
-if ARGV[20] == 'async' and max_queued > 0 and redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf') >= max_queued then
+local queued  -- the tenant's async jobs not yet ended, counted once for its limit and the band
+local function queued_async()
+  queued = queued or redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf')
+  return queued
+end
+if ARGV[20] == 'async' and max_queued > 0 and queued_async() >= max_queued then
   return {'limited', 'max_queued_jobs', max_queued}
 end
 
@@ -92,9 +99,10 @@ end
 -- half of that share: its caller waits for it and its record goes 15 s after it ends, so sync jobs hold what
 -- their callers' pace brings rather than a backlog, and a tenant's async jobs, which can fill Redis, do not
 -- shut every sync caller out; the other half stays the workers'.
--- Below that, where tenants share the queue, a band (ARGV[24], the headroom again) is kept from the tenant crowding
--- the others out: there an async job of a tenant that holds half or more of all tenants' queued async jobs is
--- refused, so one tenant's flood (even one alone so far) stops short of it and leaves room for the others'.
+-- Below that, where tenants share the queue, a band (ARGV[24], the headroom again) is kept from the tenants
+-- crowding the others out: there an async job of a tenant that holds more than its weight's share of all
+-- tenants' queued async jobs (its weight over all of theirs) is refused, so one tenant's flood (even one alone so
+-- far) stops short of it and leaves room for the others', and tenants that all send keep their shares.
 -- A Redis whose ACL refuses INFO (a managed one's may) places without it, and says so in its reply.
 local headroom, memory = tonumber(ARGV[23]), nil
 if ARGV[20] == 'sync' then headroom = headroom / 2 end
@@ -106,9 +114,9 @@ if headroom > 0 then
     if limit and limit > 0 then
       if used > limit * (1 - headroom) then return {'full'} end
       if used > limit * (1 - headroom - tonumber(ARGV[24])) then
-        local mine = redis.call('ZCOUNT', tenant_async, '(' .. now, '+inf')
+        local mine = queued_async()
         local all = redis.call('ZCOUNT', 'ASYNC_JOBS', '(' .. now, '+inf')
-        if mine > 0 and 2 * mine >= all then return {'crowding', mine, all} end
+        if mine * tonumber(ARGV[26]) > tonumber(ARGV[25]) * all then return {'crowding', mine, all} end
       end
     end
   end
@@ -196,7 +204,7 @@ end
 local fields = {'queue', target.queue, 'placement', arq_id, 'placements', 1, 'fair_start', tostring(start),
                 'lane', ARGV[16], 'created_at', tostring(now), 'deadline_at', tostring(deadline)}
 if counted[2] then fields[#fields + 1] = 'counted' fields[#fields + 1] = '1' end
-for i = 25, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 27, #ARGV do fields[#fields + 1] = ARGV[i] end
 record_placed(ARGV[9], ttl, fields)
 arq_enqueue(target.queue, arq_id, ARGV[11], ttl * 1000, score, now)
 -- The tenant's jobs not yet ended (their deadlines are their scores; an ended job's entry goes as it ends,
@@ -232,7 +240,7 @@ class Placement:
     soonest: float | None = None
     full: bool = False  # Redis is within the headroom of its maxmemory
     crowding: tuple[int, int] | None = None  # tenants share the queue, Redis is within twice the headroom, and
-    # the tenant holds half or more of the queued async jobs: (its, all tenants')
+    # the tenant holds more than its weight's share of the queued async jobs: (its, all tenants')
     limited: tuple[str, int] | None = None  # the tenant's limit it is at: (its name, its value)
 
 
@@ -240,13 +248,13 @@ class Placement:
 class RedisMemory:
     """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none), `admission`, past which
     async placements stop (the limit less the headroom; 0 with no limit; sync ones may use half the headroom),
-    and `crowding`, past which a tenant holding half or more of the queued async jobs places none (the limit
-    less twice the headroom)."""
+    and `crowding`, past which a tenant holding more than its weight's share of the queued async jobs places
+    none (the limit less twice the headroom; None where the queue is one tenant's, which has no such band)."""
 
     used: int
     limit: int
     admission: int
-    crowding: int
+    crowding: int | None
 
 
 @dataclass(frozen=True)
@@ -260,8 +268,13 @@ class Admission:
     weight: float = 1.0  # the tenant's share against other tenants'
     max_concurrent_jobs: int | None = None  # the tenant's jobs not yet ended, sync and async
     max_queued_jobs: int | None = None  # the tenant's async jobs not yet ended
-    shared: bool = False  # other tenants may queue jobs too: a tenant holding half or more of the queued async jobs
-    # places none within twice the headroom of Redis's maxmemory
+    shared_weight: float = 0.0  # the weights of all the tenants that may queue jobs (this one's included), where
+    # there are several (0: the queue is this tenant's alone): within twice the headroom of Redis's maxmemory, a
+    # tenant holding more than its share of the queued async jobs (weight / shared_weight) places none
+
+    @property
+    def shared(self) -> bool:
+        return self.shared_weight > 0
 
     @property
     def fair_cost_ms(self) -> float:
@@ -292,15 +305,16 @@ class Dispatcher:
         self.redis = redis
         self._submit = redis.register_script(_SUBMIT)
 
-    async def memory(self) -> RedisMemory | None:
-        """Redis's memory and where placements stop; None when its ACL refuses INFO."""
+    async def memory(self, shared: bool) -> RedisMemory | None:
+        """Redis's memory and where placements stop (`shared`: tenants share the queue, so it has a crowding
+        band); None when its ACL refuses INFO."""
         try:
             info = await self.redis.info("memory")
         except ResponseError:
             return None
         limit = int(info.get("maxmemory", 0))
         return RedisMemory(used=int(info["used_memory"]), limit=limit, admission=int(limit * (1 - self.headroom)),
-                           crowding=int(limit * max(0.0, 1 - 2 * self.headroom)))
+                           crowding=int(limit * max(0.0, 1 - 2 * self.headroom)) if shared else None)
 
     async def place(self, job_id: str, route_key: str, remaining: float, record: dict[str, str],
                     keep_after_deadline: int, arq_payload: bytes,
@@ -319,7 +333,8 @@ class Dispatcher:
             idempotency.digest if idempotency else "", tenant, keys.CLOCK_TTL, admission.lane.value,
             repr(admission.fair_cost_ms), admission.max_concurrent_jobs or 0, admission.max_queued_jobs or 0,
             "sync" if admission.sync else "async", FAIR_ORIGIN_MS, INTERACTIVE_LEAD_MS, repr(self.headroom),
-            repr(self.headroom if admission.shared and not admission.sync else 0.0), *fields])
+            repr(self.headroom if admission.shared and not admission.sync else 0.0), repr(admission.weight),
+            repr(admission.shared_weight), *fields])
         verdict = reply[0]
         if verdict == b"ok":
             if reply[4] == b"noinfo":
