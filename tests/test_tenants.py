@@ -116,8 +116,9 @@ def test_the_api_refuses_to_start_on_a_malformed_keys_file(tmp_path: Path, log_d
 async def test_while_redis_is_down_a_rate_limited_tenant_gets_503_and_the_log_says_why(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The rate gate and the tenant's usage reach Redis before any route does: while it is down they answer
-    503 (the gate) and a usage of null (GET /v1/limits), and the API's log gives the cause once, then that
-    Redis works again. The app in-process (its lifespan and middleware), a real Redis stopped and restarted."""
+    503 (the gate), a usage of null (GET /v1/limits) and /metrics its `openjev_redis_up 0`, and the API's log
+    gives the cause once, then that Redis works again. The app in-process (its lifespan and middleware), a real
+    Redis stopped and restarted."""
     keys_file = tmp_path / "keys.toml"
     keys_file.write_text(KEYS_FILE)
     server = RedisServer.on(tmp_path / "redis")
@@ -144,10 +145,16 @@ async def test_while_redis_is_down_a_rate_limited_tenant_gets_503_and_the_log_sa
                 limits = await client.get("/v1/limits")
                 assert limits.status_code == 200 and limits.json()["tenant"]["usage"] is None
                 assert limits.json()["redis"] == "unreachable"
+                scrape = await client.get("/metrics")  # the fleet and Redis's memory, read side by side, both fail
+                assert scrape.status_code == 200 and "openjev_redis_up 0.0" in scrape.text, scrape.text
+                assert "openjev_redis_memory_bytes{" not in scrape.text
                 assert back not in caplog.text
                 server.start()
                 server.wait_ready()
                 assert (await client.get("/v1/limits")).json()["tenant"]["usage"]["requests_remaining"] == 5
+                scrape = await client.get("/metrics")
+                assert "openjev_redis_up 1.0" in scrape.text, scrape.text
+                assert 'openjev_redis_memory_bytes{kind="crowding"}' in scrape.text  # tenants share this queue
                 assert sum(back in r.getMessage() for r in caplog.records) == 1, caplog.text
     finally:
         server.stop()
