@@ -2,11 +2,10 @@
 tenant), checks the tenant's limits (its jobs not yet ended, sync and async) and that Redis has room past
 the jobs it holds (a headroom below its maxmemory, kept for their starts and ends; where tenants share the
 queue, a band as wide below that is kept from a tenant holding more than its weight's share of the queued
-async jobs), reads
-the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its small routing hash;
-queue lengths), picks the worker, checks that it can finish the job before its deadline, writes the job
-record, arq's job and the queue entry at the job's score, and wakes the worker (its queue's wake
-channel). One round trip per submit; no two API replicas can route on the same stale queue lengths,
+async jobs), reads the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its
+small routing hash; queue lengths), picks the worker, checks that it can finish the job before its
+deadline, writes the job record, arq's job and the queue entry at the job's score, and wakes the worker
+(its queue's wake channel). One round trip per submit; no two API replicas can route on the same stale queue lengths,
 and a key is never held by a job that was not placed. Times are Redis's (TIME): the record's deadline
 is the one every worker obeys.
 
