@@ -134,8 +134,10 @@ async def limits(request: Request) -> dict[str, Any]:
 async def _tenant_state(request: Request) -> dict[str, Any]:
     tenant = tenant_of(request.scope)
     limits = tenant.limits
+    shared_weight = queue_weight(request.scope)
     state: dict[str, Any] = {
         "name": tenant.name, "weight": tenant.weight,
+        "queue_share": round(tenant.weight / shared_weight, 6) if shared_weight else None,
         "limits": {"requests_per_minute": limits.requests_per_minute, "burst": limits.burst,
                    "max_concurrent_jobs": limits.max_concurrent_jobs, "max_queued_jobs": limits.max_queued_jobs}}
     try:

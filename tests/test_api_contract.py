@@ -202,6 +202,7 @@ def test_models_limits_health_and_docs_routes(scripted_stack: Stack) -> None:
     assert all(set(m) == {"name", "description", "release_date"} for m in models)
     limits = web.get(scripted_stack.url + "/v1/limits").json()
     assert limits["max_options"] >= 26 and limits["max_questions"] == 64 and limits["live_workers"] == 1
+    assert limits["tenant"]["name"] == "default" and limits["tenant"]["queue_share"] is None  # the queue is its own
     health = web.get(scripted_stack.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert web.get(scripted_stack.url + "/health/live").json() == {"status": "ok"}

@@ -221,6 +221,8 @@ def test_the_same_idempotency_key_in_two_tenants_makes_two_jobs(tenant_stack: St
 def test_limits_show_a_tenant_its_own_limits_and_usage(tenant_stack: Stack) -> None:
     got = web.get(tenant_stack.url + "/v1/limits", headers=auth(KEY_B), timeout=30).json()
     assert got["tenant"]["name"] == "beta"
+    everyone = parse_keys_file(KEYS_FILE, "keys.toml")
+    assert got["tenant"]["queue_share"] == round(1 / sum(t.weight for t in everyone), 6)  # beta weighs 1
     assert got["tenant"]["limits"] == {"requests_per_minute": None, "burst": None, "max_concurrent_jobs": None,
                                        "max_queued_jobs": None}
     assert "alpha" not in str(got)
