@@ -18,6 +18,7 @@ from api.preparation import REQUEST_BODY_DOC, request_body
 from api.queue_client import admission_of
 from common.contract import ModelList, SystemOneRequest, SystemOneResponse
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane
+from common.queue.membership import Backlog, WorkerInfo
 from common.queue.placement import Admission
 
 router = APIRouter()
@@ -184,7 +185,7 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     queue = request.app.state.services.queue
 
-    async def fleet_and_backlog() -> tuple[list, dict]:
+    async def fleet_and_backlog() -> tuple[list[tuple[WorkerInfo, int]], dict[str, Backlog]]:
         members = await queue.fleet()
         return members, await queue.backlog([w for w, _ in members])
 

@@ -5,6 +5,8 @@ yet ended, its rate, and idempotency keys per tenant."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import pytest_asyncio
@@ -22,11 +24,27 @@ from tests.conftest import claim_and_start
 QUEUE = keys.queue_name("solo")
 
 
+async def solo_dispatcher(redis: Redis, headroom: float = 0.0, **worker: float) -> Dispatcher:
+    """A dispatcher over one heartbeating worker, "solo", of two job slots (`worker`: more of its figures)."""
+    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
+                                      started_at=time.time(), **worker))
+    return Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=headroom)
+
+
 @pytest_asyncio.fixture(loop_scope="function")
 async def dispatcher(redis: Redis) -> Dispatcher:
-    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
-                                      started_at=time.time()))
-    return Dispatcher(redis, 1.25, RoutingPolicy.hash)
+    return await solo_dispatcher(redis)
+
+
+@asynccontextmanager
+async def near_maxmemory(redis: Redis) -> AsyncIterator[None]:
+    """Redis's maxmemory at twice what it uses now (used: half of it, within the band of a 0.3 headroom: past
+    1 - 2 * 0.3 and short of 1 - 0.3), back to none after."""
+    await redis.config_set("maxmemory", (await redis.info("memory"))["used_memory"] * 2)
+    try:
+        yield
+    finally:
+        await redis.config_set("maxmemory", 0)
 
 
 async def place(dispatcher: Dispatcher, job_id: str, admission: Admission,
@@ -76,9 +94,7 @@ async def test_an_interactive_job_is_admitted_on_the_interactive_jobs_ahead_of_i
     """Admission by expected finish: a job waits behind the jobs queued before it in fair order, so one tenant's
     batch job behind its whole queue, its interactive one behind its interactive jobs alone; jobs that ended
     before they started (their deadlines passed, or they were cancelled) are taken off and count no more."""
-    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
-                                      avg_job_seconds=10.0, started_at=time.time()))
-    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
+    dispatcher = await solo_dispatcher(redis, avg_job_seconds=10.0)
 
     async def within(job_id: str, seconds: float, lane: Lane) -> Placement:
         record = {"status": "queued", "request_id": "req_t", "kind": "async"}
@@ -105,9 +121,7 @@ async def test_another_tenants_backlog_queued_after_a_job_in_fair_order_does_not
         redis: Redis) -> None:
     """A job waits behind the jobs that start before it: a tenant's first job starts at the queue's virtual time,
     ahead of another tenant's backlog, so that backlog does not make it 529, however long it is."""
-    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
-                                      avg_job_seconds=10.0, started_at=time.time()))
-    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash)
+    dispatcher = await solo_dispatcher(redis, avg_job_seconds=10.0)
 
     async def within(job_id: str, seconds: float, admission: Admission) -> Placement:
         record = {"status": "queued", "request_id": "req_t", "kind": "sync" if admission.sync else "async"}
@@ -178,23 +192,20 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_a_tenant_
     no more of them, even alone so far, so the rest of Redis stays the other tenants'; a heavier tenant may hold
     more; its sync jobs and a queue of one tenant are not held by it, and a job that ends leaves the count of all
     tenants' too."""
-    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
-                                      started_at=time.time()))
-    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.3)
+    dispatcher = await solo_dispatcher(redis, headroom=0.3)
 
     def shared(tenant: str, weight: float = 1.0) -> Admission:  # alpha and beta weigh 1, gamma 2: 4 in all
         return Admission(tenant=tenant, weight=weight, shared_weight=4.0)
 
     for n in range(3):  # Redis far from its limit: a tenant may hold every queued job
         assert (await place(dispatcher, f"job_a{n}", shared("alpha"))).queue == QUEUE
-    await redis.config_set("maxmemory", (await redis.info("memory"))["used_memory"] * 2)  # used: 0.5, past
-    try:  # 1 - 2 * 0.3 and short of 1 - 0.3
+    async with near_maxmemory(redis):
         assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 3)  # alone, holding them all
         assert not await redis.exists(keys.job_key("job_a3"))  # nothing of it written
         for n in range(2):  # beta holds 0 of 3, then 1 of 4: within its quarter
             assert (await place(dispatcher, f"job_b{n}", shared("beta"))).queue == QUEUE
         assert (await place(dispatcher, "job_b2", shared("beta"))).crowding == (2, 5)  # 2 of 5: past it
-        for n in range(6):  # gamma weighs half of all: it gets in holding 5 of 10, where half the jobs held no tenant
+        for n in range(6):  # gamma weighs half of all: it still gets in holding 5 of 10, its share
             assert (await place(dispatcher, f"job_g{n}", shared("gamma", 2.0))).queue == QUEUE
         assert (await place(dispatcher, "job_g6", shared("gamma", 2.0))).crowding == (6, 11)
         assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 11)
@@ -213,29 +224,22 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_a_tenant_
         assert (await place(dispatcher, "job_alone", Admission(tenant="alpha"))).queue == QUEUE  # a one-tenant queue
         assert await redis.zcard(keys.ASYNC_JOBS) == 10  # which keeps no count of all tenants' jobs
         assert await redis.hget(keys.job_key("job_alone"), "counted") is None
-    finally:
-        await redis.config_set("maxmemory", 0)
 
 
 async def test_near_its_maxmemory_two_tenants_sharing_the_queue_alike_both_keep_placing(redis: Redis) -> None:
     """Two tenants of the same weight, each holding half of the queued async jobs: neither holds more than its
     share, so in the band both still place (no third tenant is there to keep room for); the one that gets ahead
     is held until the other catches up."""
-    await heartbeat(redis, WorkerInfo(id="solo", queue=QUEUE, model="m", max_jobs=2, max_branches=8,
-                                      started_at=time.time()))
-    dispatcher = Dispatcher(redis, 1.25, RoutingPolicy.hash, headroom=0.3)
+    dispatcher = await solo_dispatcher(redis, headroom=0.3)
     pair = {name: Admission(tenant=name, shared_weight=2.0) for name in ("alpha", "beta")}
     for n in range(2):
         for name in pair:
             assert (await place(dispatcher, f"job_{name}{n}", pair[name])).queue == QUEUE
-    await redis.config_set("maxmemory", (await redis.info("memory"))["used_memory"] * 2)
-    try:
+    async with near_maxmemory(redis):
         assert (await place(dispatcher, "job_alpha2", pair["alpha"])).queue == QUEUE  # 2 of 4: its half
         assert (await place(dispatcher, "job_alpha3", pair["alpha"])).crowding == (3, 5)  # ahead: held
         assert (await place(dispatcher, "job_beta2", pair["beta"])).queue == QUEUE  # 2 of 5
         assert (await place(dispatcher, "job_alpha3", pair["alpha"])).queue == QUEUE  # 3 of 6: its half again
-    finally:
-        await redis.config_set("maxmemory", 0)
 
 
 async def test_the_same_idempotency_key_in_two_tenants_names_two_jobs(redis: Redis, dispatcher: Dispatcher) -> None:

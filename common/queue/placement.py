@@ -5,9 +5,9 @@ queue, a band as wide below that is kept from a tenant holding more than its wei
 async jobs), reads the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its
 small routing hash; queue lengths), picks the worker, checks that it can finish the job before its
 deadline, writes the job record, arq's job and the queue entry at the job's score, and wakes the worker
-(its queue's wake channel). One round trip per submit; no two API replicas can route on the same stale queue lengths,
-and a key is never held by a job that was not placed. Times are Redis's (TIME): the record's deadline
-is the one every worker obeys.
+(its queue's wake channel). One round trip per submit; no two API replicas can route on the same stale
+queue lengths, and a key is never held by a job that was not placed. Times are Redis's (TIME): the
+record's deadline is the one every worker obeys.
 
 The score is the order jobs start in (the worker's claims take the lowest first, as arq's poll would,
 worker/wakeups.py). Between tenants it is start-time fair queuing (Goyal et al. 1996) per worker queue:
@@ -62,9 +62,8 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 #      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
 #      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's queued
 #      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds more than its
-#      weight's share)
-#      | {'none'} (no worker with a fresh heartbeat and a healthy engine) | {'overloaded', seconds until the
-#      soonest worker could finish it}.
+#      weight's share) | {'none'} (no worker with a fresh heartbeat and a healthy engine) | {'overloaded',
+#      seconds until the soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
   local held = redis.call('GET', ARGV[12])
