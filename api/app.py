@@ -20,7 +20,9 @@ from api.openapi import install_openapi
 from api.preparation import JobPreparer
 from api.queue_client import CompletionWaiter, JobQueue
 from api.routes import router
+from common.background import cancel_and_wait
 from common.prompt import PromptCompiler
+from common.queue.presence import ApiPresence, new_api_id
 from common.queue.records import JobStore
 from common.redis_connection import redis_connection, wait_reachable
 from common.settings import Settings
@@ -62,19 +64,24 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         await wait_reachable(redis)
         waiter = CompletionWaiter(redis)
         await waiter.start()
+        presence = ApiPresence(redis, new_api_id(), settings.api_presence_ttl)
+        await presence.renew()  # before the first sync job names it
         watching = asyncio.create_task(keys.watch(), name="keys-file")
+        present = asyncio.create_task(presence.keep(), name="presence")
         store = JobStore(redis, settings.job_result_ttl, settings.longest_job_seconds)
         app.state.services = Services(
             settings=settings,
             preparer=preparer or build_preparer(settings),
             queue=JobQueue(redis, store, waiter, settings.route_load_factor, settings.routing,
-                           settings.redis_headroom),
+                           settings.redis_headroom, api_id=presence.api_id),
             started_at=time.time(),
         )
         try:
             yield
         finally:
             watching.cancel()
+            await cancel_and_wait(present)
+            await presence.leave()
             await waiter.stop()
             await redis.aclose()
 

@@ -68,8 +68,8 @@ class ApiMetrics:
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "
-                                    "(refused: it had ended or moved meanwhile), since the worker started",
-                                    ["worker", "outcome"], registry=r)
+                                    "(refused: it had ended or moved meanwhile; gone: a sync job not run, its API "
+                                    "process gone), since the worker started", ["worker", "outcome"], registry=r)
         self.tenant_requests = Counter("openjev_tenant_requests", "API requests (/v1/...) by tenant and status",
                                        ["tenant", "status"], registry=r)
         self.tenant_refusals = Counter("openjev_tenant_limited", "Requests refused with 429 by tenant and limit",

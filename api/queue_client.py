@@ -99,10 +99,13 @@ class JobQueue:
     """Places evaluation jobs on the routed worker's queue, waits for their outcome, ends them."""
 
     def __init__(self, redis: ArqRedis, store: JobStore, waiter: CompletionWaiter, load_factor: float = 1.25,
-                 routing: RoutingPolicy = RoutingPolicy.hash, headroom: float = 0.0) -> None:
+                 routing: RoutingPolicy = RoutingPolicy.hash, headroom: float = 0.0, api_id: str | None = None) -> None:
         """`load_factor`: c of the bounded-load fallback; `routing`: hash (production) or round_robin;
-        `headroom`: the share of Redis's maxmemory left to the jobs already placed (no new job past the rest)."""
+        `headroom`: the share of Redis's maxmemory left to the jobs already placed (no new job past the rest);
+        `api_id`: this process's presence in Redis (common/queue/presence.py), named by its sync jobs so that
+        no worker starts one once it is gone (None: never checked)."""
         self.redis = redis
+        self.api_id = api_id
         self.store = store
         self.waiter = waiter
         self.dispatcher = Dispatcher(redis, load_factor, routing, headroom)
@@ -152,6 +155,8 @@ class JobQueue:
                                 serializer=serialize)
         record = {"status": JobStatus.queued.value, "request_id": job.request_id, "route_key": job.prefix_hash,
                   "kind": "sync" if sync else "async"}
+        if sync and self.api_id is not None:
+            record["api"] = self.api_id  # its one reader
         remaining = job.remaining()
         with self._reachable():
             placed = await self.dispatcher.place(job.id, job.prefix_hash, remaining, record,

@@ -142,6 +142,11 @@ class Settings(BaseSettings):
         "start and end: past the rest the API takes no new async job (503, the queue is full), and sync requests may "
         "use half of it. 0: new jobs until Redis refuses a write, when accepted jobs wait for keys to expire or the "
         "limit to be raised.")
+    api_presence_ttl: float = Field(
+        default=20.0, ge=1, le=600, description="Seconds an API process stays counted as live without renewing "
+        "its presence in Redis (it renews five times within this). A worker does not start a sync job that waited "
+        "longer than four fifths of this and whose API is no longer live (crashed, or cut off from Redis): nobody "
+        "is left to answer it. API and workers must share this setting.")
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(

@@ -60,7 +60,7 @@ async def claim_and_start(redis: Redis, arq_job_id: str, worker_id: str) -> Star
     """What a worker does as it takes placement `arq_job_id` off its own queue (common/queue/claims.py: arq's
     claim and the record's start, in one script): the job's start, or None when the placement may not run
     (not queued there, moved, or its job ended)."""
-    claimed = await Claims(redis, keys.queue_name(worker_id), worker_id, 60.0).claim(arq_job_id)
+    claimed = await Claims(redis, keys.queue_name(worker_id), worker_id, 60.0, unseen_before=16.0).claim(arq_job_id)
     return claimed.started if claimed is not None else None
 
 

@@ -84,3 +84,33 @@ async def test_a_missed_notice_is_made_up_by_the_record(arq_redis: ArqRedis) -> 
     assert outcome == OUTCOME
     assert store.collected >= 1 and time.monotonic() - started < 3  # the record, at the next recheck
     assert not await arq_redis.exists(keys.job_key("job_m"))  # collected: removed
+
+
+async def test_a_sync_job_ended_for_its_apis_lapsed_presence_is_answered_with_its_503_outcome(
+        arq_redis: ArqRedis) -> None:
+    """A live API whose presence lapsed (cut off from Redis for longer than it lasts, common/queue/presence.py)
+    is not left waiting on a job no worker will run: the worker's claim ends it, and the waiting request gets
+    the 503 outcome from the notice."""
+    from common.queue.claims import Claims
+
+    store = CountingStore(arq_redis, result_ttl=600)
+    waiter = CompletionWaiter(arq_redis)
+    await waiter.start()
+    try:
+        queue = JobQueue(arq_redis, store, waiter, api_id="api-lapsed")  # its key is never set
+
+        async def claim_once_placed() -> None:
+            record_key = keys.job_key("job_l")
+            while (placement := await arq_redis.hget(record_key, "placement")) is None:
+                await asyncio.sleep(0.01)
+            assert await arq_redis.hget(record_key, "api") == b"api-lapsed"
+            claimed = await Claims(arq_redis, keys.queue_name("w1"), "w1", 60.0, unseen_before=0.0).claim(
+                placement.decode())
+            assert claimed is not None and claimed.gone
+
+        outcome, _ = await asyncio.gather(queue.run(job("job_l"), 10), claim_once_placed())
+        assert outcome is not None and outcome.status is JobStatus.cancelled and outcome.http_status == 503
+        assert outcome.error is not None and outcome.error["error_type"] == "unavailable_error"
+        assert store.collected == 0  # from the notice
+    finally:
+        await waiter.stop()

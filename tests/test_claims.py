@@ -26,6 +26,7 @@ from arq.connections import ArqRedis
 from arq.worker import func
 
 from common.jobs import deserialize, serialize
+from common.queue.membership import WorkerCounters
 from common.redis_connection import redis_connection
 from common.settings import Settings
 from worker.fencing import RunningJobs
@@ -126,7 +127,7 @@ async def test_a_claim_redis_breaks_off_costs_no_slot_and_the_job_still_runs(
                     poll_delay=0.05, keep_result=0, handle_signals=False, job_serializer=serialize,
                     job_deserializer=deserialize)
     wakeups = WakeUps(pool, "claims-test", worker, RunningJobs(), worker_id="w-claims", look_interval=0.05,
-                      listen=False)
+                      unseen_before=16.0, counters=WorkerCounters(), listen=False)
     assert worker.in_progress_timeout_s > 60  # a claim left standing would hold the job well past this test
     main = asyncio.create_task(worker.main())
     try:
@@ -165,7 +166,7 @@ async def test_a_claim_is_taken_once_and_only_when_due_and_not_held_by_another_p
     for job, placement in (("job_due", "job_due.1"), ("job_moved", "job_moved.2")):
         await redis.hset(keys.job_key(job), mapping={"status": "queued", "placement": placement,
                                                      "created_at": time.time() - 2, "deadline_at": time.time() + 30})
-    mine, theirs = (Claims(redis, "claims-rules", "w-rules", 30.0) for _ in range(2))
+    mine, theirs = (Claims(redis, "claims-rules", "w-rules", 30.0, unseen_before=16.0) for _ in range(2))
     assert mine.holder != theirs.holder  # one worker id, two processes
     claimed = await mine.claim("job_due.1")
     assert claimed is not None and claimed.score == now - 5
@@ -186,3 +187,62 @@ async def test_a_claim_is_taken_once_and_only_when_due_and_not_held_by_another_p
     moved = await mine.claim("job_moved.1")  # its record names placement 2 now
     assert moved is not None and moved.started is None
     assert (await redis.hget(keys.job_key("job_moved"), "status")) == b"queued"
+
+
+async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_starting_once_that_api_is_gone(
+        redis) -> None:
+    """common/queue/presence.py: a claimed sync job that has waited `unseen_before` seconds or more starts only
+    while the key of the API waiting for it is there. Without it, the job ends as cancelled with the 503 a
+    reader alive after all would answer, the notice carries that outcome, the job leaves its tenant's count
+    and the placement leaves the queue with its arq keys. A sync job that waited less, one whose API is live,
+    and an async job start as before."""
+    import orjson
+
+    from common.jobs import JobOutcome
+    from common.queue import keys
+    from common.queue.claims import Claims
+    from common.queue.presence import GONE_OUTCOME
+
+    queue, now = "claims-presence", time.time()
+    await redis.set(keys.api_key("api-live"), "1", px=20_000)
+    await redis.delete(keys.api_key("api-dead"))
+    jobs = {  # job id -> (kind, api, seconds waited)
+        "job_dead_api": ("sync", "api-dead", 30), "job_live_api": ("sync", "api-live", 30),
+        "job_dead_api_recent": ("sync", "api-dead", 2), "job_async": ("async", None, 30)}
+    for job_id, (kind, api, waited) in jobs.items():
+        placement = f"{job_id}.1"
+        await redis.zadd(queue, {placement: 0})
+        await redis.zadd(queue + ":waiting", {placement: now - waited})
+        await redis.set(keys.ARQ_JOB + placement, b"payload", px=60_000)
+        await redis.zadd(keys.tenant_key("acme", "jobs"), {job_id: now + 60})
+        await redis.hset(keys.job_key(job_id), mapping={
+            "status": "queued", "placement": placement, "kind": kind, "tenant": "acme", "queue": queue,
+            "created_at": now - waited, "deadline_at": now + 60, **({"api": api} if api else {})})
+    claims = Claims(redis, queue, "w-presence", 30.0, unseen_before=16.0)
+    notices = redis.pubsub(ignore_subscribe_messages=True)
+    await notices.subscribe(keys.DONE_CHANNEL)
+    try:
+        gone = await claims.claim("job_dead_api.1")
+        notice = None
+        give_up = time.monotonic() + 5
+        while notice is None and time.monotonic() < give_up:  # the subscription's own reply comes first, as None
+            notice = await notices.get_message(timeout=1)
+    finally:
+        await notices.aclose()
+    assert gone is not None and gone.gone and gone.started is None
+    record = await redis.hgetall(keys.job_key("job_dead_api"))
+    assert record[b"status"] == b"cancelled" and record[b"ended_by"] == b"job_dead_api.1"
+    outcome = JobOutcome.model_validate_json(record[b"outcome"])
+    assert outcome.http_status == 503 and "API process" in outcome.error["message"]
+    assert 0 < await redis.ttl(keys.job_key("job_dead_api")) <= 15
+    assert notice is not None and notice["data"] == b"job_dead_api cancelled " + GONE_OUTCOME.encode()
+    assert orjson.loads(notice["data"].split(b" ", 2)[2])["status"] == "cancelled"
+    assert await redis.zscore(keys.tenant_key("acme", "jobs"), "job_dead_api") is None
+    assert await redis.zscore(queue, "job_dead_api.1") is None  # nothing of it is left for arq to run
+    assert await redis.zscore(queue + ":waiting", "job_dead_api.1") is None
+    assert not await redis.exists(keys.ARQ_JOB + "job_dead_api.1", keys.ARQ_IN_PROGRESS + "job_dead_api.1")
+    for job_id in ("job_live_api", "job_dead_api_recent", "job_async"):
+        claimed = await claims.claim(f"{job_id}.1")
+        assert claimed is not None and not claimed.gone and claimed.started is not None, job_id
+        assert await redis.hget(keys.job_key(job_id), "status") == b"running"
+        assert await redis.zscore(keys.tenant_key("acme", "jobs"), job_id) is not None

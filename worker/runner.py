@@ -35,6 +35,7 @@ from common.queue.membership import (
     heartbeat,
     leave,
 )
+from common.queue.presence import unseen_before
 from common.queue.records import JobStore
 from common.queue.replication import ReplicaCopy
 from common.redis_connection import redis_connection
@@ -71,7 +72,9 @@ async def _startup(ctx: dict[str, Any]) -> None:
     await health.probe()  # never announce an engine nobody has checked
     info.engine_ok = health.routable
     state.wakeups = WakeUps(redis, info.queue, state.worker, state.running, worker_id=info.id,
-                            look_interval=settings.worker_poll_delay, listen=settings.worker_wakeups,
+                            look_interval=settings.worker_poll_delay,
+                            unseen_before=unseen_before(settings.api_presence_ttl), counters=info.counters,
+                            listen=settings.worker_wakeups,
                             ready=health.answering)
     await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us
     await heartbeat(redis, info)

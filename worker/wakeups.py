@@ -45,6 +45,7 @@ from common.background import cancel_and_wait
 from common.logs import RepeatedFailure
 from common.queue import keys
 from common.queue.claims import Claims
+from common.queue.membership import WorkerCounters
 from common.queue.records import Started
 from common.queue.subscriptions import Subscription
 from worker.fencing import RunningJobs, StopReason
@@ -59,13 +60,17 @@ class WakeUps:
     `listen`) and on a look at the queue every `look_interval` seconds."""
 
     def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *, worker_id: str,
-                 look_interval: float, listen: bool = True, ready: asyncio.Event | None = None) -> None:
+                 look_interval: float, unseen_before: float, counters: WorkerCounters, listen: bool = True,
+                 ready: asyncio.Event | None = None) -> None:
+        """`unseen_before`: the wait (s) past which a sync job starts only while its API is live
+        (common/queue/presence.py); `counters`: where a job ended for that is counted ("gone")."""
         self.redis = redis
         self.queue = queue
         self.worker = worker
         self.running = running
         self.look_interval = look_interval
-        self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s)
+        self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s, unseen_before)
+        self.counters = counters
         self.ready = ready
         self._started: dict[str, Started | None] = {}  # arq job id -> its job's start, until `evaluate` takes it
         worker.allow_pick_jobs = False  # every claim goes through `_claim` (the module's docstring says why)
@@ -169,6 +174,11 @@ class WakeUps:
             return
         self._claim_failures.succeeded()
         if claimed is None:
+            return
+        if claimed.gone:
+            self.counters.record_ending("gone")
+            log.info("job %s: not run, its API process is gone (nobody is left to answer it)", keys.job_of(job_id),
+                     extra={"event": "caller_gone", "job_id": keys.job_of(job_id)})
             return
         self._started[job_id] = claimed.started
         self.worker.job_counter += 1  # what arq's `start_jobs` counts, given back as the job's task ends

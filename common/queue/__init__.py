@@ -10,7 +10,8 @@ this package, and nothing else writes Redis. A job's life, step by step:
                  claimed); its look at the queue and arq's poll of the abort set, both every
                  OPENJEV_WORKER_POLL_DELAY, are the fallback for a missed message.
 3. records.py    The record's start (`record_start`, run by the worker's claim in claims.py) marks it
-                 running only if the record still names its placement; `store` keeps the outcome
+                 running only if the record still names its placement (and ends instead a sync job
+                 whose API process is gone, presence.py); `store` keeps the outcome
                  only from that placement, once, and publishes "<job id> <status>"; the API's `cancel`
                  ends a job (one not yet started is taken off its queue, a running one gets a bounded
                  abort mark) and `collect` reads and removes a sync job's record at delivery.

@@ -51,6 +51,12 @@ def lease_key(worker_id: str) -> str:
     return f"{PREFIX}lease:{worker_id}"
 
 
+def api_key(api_id: str) -> str:
+    """Set while the API process `api_id` is live, renewed by its beat (common/queue/presence.py): a worker
+    does not start a sync job whose API, the one process waiting to answer it, let this lapse."""
+    return f"{PREFIX}api:{api_id}"
+
+
 def reap_lock_key(worker_id: str) -> str:
     """Held briefly by the worker moving a vanished worker's jobs elsewhere."""
     return f"{PREFIX}reap:{worker_id}"

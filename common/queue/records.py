@@ -55,33 +55,6 @@ local function record_requeued(key, job_id, queue, extra)
 end
 """
 
-# record_start(key, placement, worker): the start of the job of record `key` by `placement` (its arq job id) on
-# `worker`, a Lua function that claims.py's claim runs (the claim also takes the placement out of its queue's
-# waiting set). Nothing unless the record names this placement and the job has not ended; then it is running
-# here (its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts`
-# (starts, anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's
-# clock. A running job is taken again only by its own placement (the worker that serves its queue
-# restarted).
-START_LUA = """
-local function record_start(key, placement, worker)
-  local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
-                      'attempts')
-  if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
-  local t = redis.call('TIME')
-  local now = t[1] + t[2] / 1e6
-  local attempts = (tonumber(f[7]) or 0) + 1
-  redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
-  if f[5] then
-    local vclock = f[5] .. ':vclock'
-    if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
-      redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
-    end
-  end
-  return {f[3], f[4], tostring(now), attempts}
-end
-""".replace("CLOCK_TTL", str(keys.CLOCK_TTL))
-
-
 def _leave_tenant_counts(tenant: str, job_id: str, kind: str, counted: str) -> str:
     """Lua: a job that ends leaves the counts of jobs not yet ended (`tenant`, `job_id`, `kind`, `counted`: Lua
     expressions for the record's tenant field, the job id, the record's kind and its 'counted' field): its
@@ -94,6 +67,44 @@ if {tenant} then
 end
 if {counted} == '1' then redis.call('ZREM', '{keys.ASYNC_JOBS}', {job_id}) end"""
 
+
+# record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome): the start of the job of record
+# `key` by `placement` (its arq job id) on `worker`, a Lua function that claims.py's claim runs (the claim also
+# takes the placement out of its queue's waiting set). Nothing (false) unless the record names this placement and
+# the job has not ended. A sync job that has waited `unseen_before` seconds or more and whose API's presence has
+# lapsed (common/queue/presence.py) ends instead, as `gone_outcome`, announced on channel `done` as a store
+# announces a sync job's ("<job id> cancelled <outcome>"), and the reply is 'gone'. Otherwise it is running here
+# (its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts` (starts,
+# anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's clock. A running
+# job is taken again only by its own placement (the worker that serves its queue restarted).
+START_LUA = """
+local function record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome)
+  local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
+                      'attempts', 'kind', 'api', 'tenant', 'counted')
+  if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
+  local t = redis.call('TIME')
+  local now = t[1] + t[2] / 1e6
+  if f[8] == 'sync' and f[9] and now - tonumber(f[3]) >= unseen_before
+      and redis.call('EXISTS', 'API_PREFIX' .. f[9]) == 0 then
+    redis.call('HSET', key, 'status', 'cancelled', 'outcome', gone_outcome, 'ended_by', placement)
+    END_FOR_TENANT
+    redis.call('EXPIRE', key, SYNC_ANSWERED_KEEP)
+    redis.call('PUBLISH', done, job_id .. ' cancelled ' .. gone_outcome)
+    return 'gone'
+  end
+  local attempts = (tonumber(f[7]) or 0) + 1
+  redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
+  if f[5] then
+    local vclock = f[5] .. ':vclock'
+    if f[6] and tonumber(f[6]) > tonumber(redis.call('GET', vclock) or 0) then
+      redis.call('SET', vclock, f[6], 'EX', CLOCK_TTL)
+    end
+  end
+  return {f[3], f[4], tostring(now), attempts}
+end
+""".replace("CLOCK_TTL", str(keys.CLOCK_TTL)).replace("API_PREFIX", keys.api_key("")).replace(
+    "SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace(
+    "END_FOR_TENANT", _leave_tenant_counts("f[10]", "job_id", "f[8]", "f[11]"))
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier

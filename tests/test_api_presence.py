@@ -1,0 +1,73 @@
+"""An API process's presence (common/queue/presence.py), with real processes: a worker does not start the
+queued sync jobs of an API that was killed (nobody is left to answer them), and starts those of a live API
+however long they waited. The presence lasts 2 s here (20 s by default), so a job is looked at once it
+waited 1.6 s; each engine call stalls 1 s and the worker runs one job at a time, so the jobs queued behind
+the first wait that long."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from common.queue import keys
+from harness.stacks import Stack, isolated_scripted_stack
+from tests.conftest import wait_for_next_heartbeat, wait_until
+from tests.test_logs import events
+
+pytestmark = pytest.mark.integration
+
+ORPHANS = 5  # sync requests whose API is killed while the first of them runs
+
+
+def body(state: str) -> dict[str, Any]:
+    return {"model": "jev-latest", "state": state,
+            "questions": {"q": {"type": "noul", "instructions": "Is this a greeting?"}}}
+
+
+def jobs_run(stack: Stack, since: int) -> set[str]:
+    """The jobs whose warm call reached the engine after its `since`-th prompt (rids "<job>.<n>.warm")."""
+    return {rid.rsplit(".", 2)[0] for rid in stack.engine_stats()["received"][since:] if rid.endswith(".warm")}
+
+
+@pytest.fixture
+def stack(model_dir: Path, log_dir: Path) -> Any:
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_API_PRESENCE_TTL="2",
+                                 OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
+        stack.script(delay=1.0)
+        yield stack
+
+
+def test_a_killed_apis_queued_sync_jobs_are_not_run_and_a_live_apis_are_however_long_they_waited(
+        stack: Stack) -> None:
+    with ThreadPoolExecutor(ORPHANS) as pool:
+        # The API alive: three at once, the last waiting about 4 s for the one job slot, all answered.
+        answered = list(pool.map(lambda i: stack.post(body(f"waited {i}"), timeout=60), range(3)))
+        assert [r.status_code for r in answered] == [200] * 3, [r.text for r in answered]
+
+        queue = keys.queue_name("w0")
+        since = len(stack.engine_stats()["received"])
+        with redis.Redis.from_url(stack.redis_url) as client:
+            orphans = [pool.submit(stack.post, body(f"orphan {i}"), timeout=60) for i in range(ORPHANS)]
+            wait_until(lambda: client.zcard(queue) == ORPHANS and jobs_run(stack, since), 30,
+                       "every request queued, the first one in the engine")
+            stack.api.stop(signal.SIGKILL)
+            for orphan in orphans:
+                with pytest.raises(httpx.TransportError):
+                    orphan.result()
+            wait_until(lambda: client.zcard(queue) == 0, 60, "the killed API's jobs run or taken off the queue")
+            wait_for_next_heartbeat(stack.redis_url, "w0")
+            counters = orjson.loads(client.get(keys.worker_key("w0")))["counters"]
+
+    ran = jobs_run(stack, since)
+    # The one in flight at the kill runs; one more may start before the killed API's presence lapses (2 s).
+    assert 1 <= len(ran) <= 2, ran
+    assert counters["endings"].get("gone") == ORPHANS - len(ran), counters["endings"]
+    gone = [e for e in events(stack.workers[0].output()) if e.get("event") == "caller_gone"]
+    assert len(gone) == ORPHANS - len(ran) and not {e["job_id"] for e in gone} & ran
