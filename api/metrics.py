@@ -63,8 +63,8 @@ class ApiMetrics:
                                   "none), admission, past which the API takes no new async job (maxmemory less "
                                   "OPENJEV_REDIS_HEADROOM; sync jobs may use half of it), and, where tenants share "
                                   "the queue, crowding, past which it takes none from a tenant holding more than its "
-                                  "weight's share of the queued async jobs (less twice the headroom); absent when "
-                                  "Redis refuses INFO", ["kind"], registry=r)
+                                  "weight's share of the async jobs in Redis, queued or kept (less twice the "
+                                  "headroom); absent when Redis refuses INFO", ["kind"], registry=r)
         self.worker_running = Gauge("openjev_worker_running_jobs", "Jobs being evaluated per worker", ["worker"],
                                     registry=r)
         self.worker_endings = Gauge("openjev_worker_jobs_ended", "Jobs a worker ended, by the outcome it stored "

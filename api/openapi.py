@@ -124,7 +124,8 @@ def _complete(operation: dict[str, Any], method: str, path: str, settings: Setti
         extra |= _AUTH
     if settings.api_keys_file is not None and method == "post" and path in SUBMISSIONS:
         extra[429] = ("The tenant is at one of its limits (keys file), or holds more than its weight's share of the "
-                      "queued async jobs while the queue's Redis nears its maxmemory; see Retry-After")
+                      "async jobs in Redis (queued, or ended and kept) while the queue's Redis nears its maxmemory; "
+                      "see Retry-After")
     for status, description in extra.items():
         body = _VALIDATION if status == 422 else _JOB if status == 200 else _ERROR
         responses[str(status)] = {"description": description, "content": {"application/json": {"schema": body}}}

@@ -177,8 +177,9 @@ class JobQueue:
         if placed.crowding is not None:
             mine, everyone = placed.crowding
             raise TenantLimited(f"the job queue is nearly full (its Redis nears its maxmemory), and tenant "
-                                f"{admission.tenant!r} holds {mine} of its {everyone} queued async jobs, more than "
-                                f"its share (its weight {admission.weight:g} of all tenants' "
+                                f"{admission.tenant!r} holds {mine} of the {everyone} async jobs it keeps (queued, or "
+                                f"ended and kept for their readers), more than its share (its weight "
+                                f"{admission.weight:g} of all tenants' "
                                 f"{admission.shared_weight:g}): its async jobs are refused until some have ended, so "
                                 "that other tenants' still get in; sync requests are not held by this; retry later",
                                 {"Retry-After": "5"}, admission.tenant, "queue_share")

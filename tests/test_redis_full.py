@@ -132,7 +132,7 @@ ALPHA_KEY, BETA_KEY = "alpha-key-0123456789", "beta-key-0123456789"
 def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_flooding_it(
         model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
     """Two tenants share the queue; one floods it with async jobs. Past twice the headroom below Redis's
-    maxmemory the flooding tenant gets 429 (it holds more than its half of the queued async jobs, here all of them),
+    maxmemory the flooding tenant gets 429 (it holds more than its half of the async jobs in Redis, here all of them),
     while the other tenant's async jobs still get in, and so do the flooding tenant's sync requests; every
     accepted job then runs, and the refusals are counted by tenant. Without the band the flood takes Redis up
     to the headroom and the other tenant's async jobs get 503 "the job queue is full"."""

@@ -4,6 +4,7 @@ yet ended, its rate, and idempotency keys per tenant."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -188,10 +189,10 @@ async def test_queued_async_jobs_are_limited_apart_from_sync_ones(redis: Redis, 
 async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_a_tenant_past_its_weights_share(
         redis: Redis) -> None:
     """Within twice the headroom of Redis's maxmemory (and short of the headroom itself), a tenant that holds
-    more than its weight's share of all tenants' queued async jobs (its weight over all tenants' weights) places
+    more than its weight's share of all tenants' async jobs in Redis (its weight over all tenants' weights) places
     no more of them, even alone so far, so the rest of Redis stays the other tenants'; a heavier tenant may hold
-    more; its sync jobs and a queue of one tenant are not held by it, and a job that ends leaves the count of all
-    tenants' too."""
+    more; its sync jobs and a queue of one tenant are not held by it. A job that ends stays in both counts while
+    its record is kept for its reader (its result is still Redis's to hold), and leaves them as that expires."""
     dispatcher = await solo_dispatcher(redis, headroom=0.3)
 
     def shared(tenant: str, weight: float = 1.0) -> Admission:  # alpha and beta weigh 1, gamma 2: 4 in all
@@ -214,20 +215,28 @@ async def test_near_its_maxmemory_a_shared_queue_refuses_async_jobs_of_a_tenant_
         assert await redis.zcard(keys.ASYNC_JOBS) == 11  # alpha 3, beta 2, gamma 6
         assert await redis.hget(keys.job_key("job_b0"), "counted") == b"1"  # its record says so
 
-        store = JobStore(redis, result_ttl=60)
+        store = JobStore(redis, result_ttl=2)
         assert await claim_and_start(redis, "job_a0.1", "solo") is not None
         assert await store.store("job_a0.1", JobOutcome(status=JobStatus.succeeded, result={}), time.monotonic() + 5)
         assert await store.cancel("job_a1", JobOutcome(status=JobStatus.cancelled, error={"error_type": "c",
                                                                                         "message": "m"}))
-        assert await redis.zcard(keys.ASYNC_JOBS) == 9  # both ended jobs left it
-        assert (await place(dispatcher, "job_a3", shared("alpha"))).queue == QUEUE  # alpha held 1 of 9
+        assert await redis.zcard(keys.ASYNC_JOBS) == 11  # both ended jobs are kept for their readers
+        assert await redis.zcard(keys.tenant_key("alpha", "kept")) == 2
+        assert await redis.ttl(keys.tenant_key("alpha", "kept")) > 0
+        # alpha has one job queued, and two results kept: 3 of 11, until those expire with their records
+        assert (await place(dispatcher, "job_a3", shared("alpha"))).crowding == (3, 11)
+        give_up = time.monotonic() + 10
+        while (placed := await place(dispatcher, "job_a3", shared("alpha"))).queue is None:
+            assert placed.crowding == (3, 11) and time.monotonic() < give_up, placed
+            await asyncio.sleep(0.05)
+        assert await redis.zcard(keys.ASYNC_JOBS) == 10  # and left it as job_a3 was placed
         assert (await place(dispatcher, "job_alone", Admission(tenant="alpha"))).queue == QUEUE  # a one-tenant queue
         assert await redis.zcard(keys.ASYNC_JOBS) == 10  # which keeps no count of all tenants' jobs
         assert await redis.hget(keys.job_key("job_alone"), "counted") is None
 
 
 async def test_near_its_maxmemory_two_tenants_sharing_the_queue_alike_both_keep_placing(redis: Redis) -> None:
-    """Two tenants of the same weight, each holding half of the queued async jobs: neither holds more than its
+    """Two tenants of the same weight, each holding half of the async jobs in Redis: neither holds more than its
     share, so in the band both still place (no third tenant is there to keep room for); the one that gets ahead
     is held until the other catches up."""
     dispatcher = await solo_dispatcher(redis, headroom=0.3)

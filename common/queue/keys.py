@@ -83,15 +83,17 @@ CLOCK_TTL = 24 * 3600  # seconds a queue's virtual time and its tenants' clocks 
 # job that moves it, so the jobs that follow within that time find it far enough and leave it (fewer EXPIREs).
 BOUND_SLACK = 60
 
-ASYNC_JOBS = PREFIX + "async"  # zset: every tenant's async jobs not yet ended (job id -> deadline), kept where tenants
-# share the queue: what a tenant's share of the queued async jobs is taken of when Redis nears its maxmemory
+ASYNC_JOBS = PREFIX + "async"  # zset: every tenant's async jobs in Redis, kept where tenants share the queue: those not
+# yet ended (job id -> deadline) and those ended whose records are kept for their readers (job id -> when the record
+# expires): what a tenant's share of Redis is taken of when Redis nears its maxmemory (placement.py)
 TENANT_PREFIX = PREFIX + "tenant:"  # + "<name>:" + one of the suffixes below (tenant names hold no ':')
 
 
 def tenant_key(tenant: str, suffix: str) -> str:
     """A tenant's own key: "jobs" (zset: its jobs not yet ended, job id -> deadline), "async" (the same for
-    its async jobs), "rate" (its rate limiter's theoretical arrival time, ms) or "clock:<lane>" (the fair
-    start, ms, its next job in that lane gets)."""
+    its async jobs), "kept" (its async jobs ended and kept for their readers, job id -> when the record expires;
+    only where tenants share the queue), "rate" (its rate limiter's theoretical arrival time, ms) or
+    "clock:<lane>" (the fair start, ms, its next job in that lane gets)."""
     return f"{TENANT_PREFIX}{tenant}:{suffix}"
 
 

@@ -1,13 +1,13 @@
 """Submission in one step, inside Redis: one script claims the client's idempotency key (if any, per
 tenant), checks the tenant's limits (its jobs not yet ended, sync and async) and that Redis has room past
-the jobs it holds (a headroom below its maxmemory, kept for their starts and ends; where tenants share the
-queue, a band as wide below that is kept from a tenant holding more than its weight's share of the queued
-async jobs), reads the fleet (fresh heartbeats; each worker's engine state, capacity and job time from its
-small routing hash; queue lengths), picks the worker, checks that it can finish the job before its
-deadline, writes the job record, arq's job and the queue entry at the job's score, and wakes the worker
-(its queue's wake channel). One round trip per submit; no two API replicas can route on the same stale
-queue lengths, and a key is never held by a job that was not placed. Times are Redis's (TIME): the
-record's deadline is the one every worker obeys.
+the jobs it holds (a headroom below its maxmemory, kept for their starts and ends; where tenants share
+the queue, a band as wide below that is kept from a tenant holding more than its weight's share of the
+async jobs in Redis, queued or kept with their outcomes), reads the fleet (fresh heartbeats; each
+worker's engine state, capacity and job time from its small routing hash; queue lengths), picks the
+worker, checks that it can finish the job before its deadline, writes the job record, arq's job and the
+queue entry at the job's score, and wakes the worker (its queue's wake channel). One round trip per
+submit; no two API replicas can route on the same stale queue lengths, and a key is never held by a job
+that was not placed. Times are Redis's (TIME): the record's deadline is the one every worker obeys.
 
 The score is the order jobs start in (the worker's claims take the lowest first, as arq's poll would,
 worker/wakeups.py). Between tenants it is start-time fair queuing (Goyal et al. 1996) per worker queue:
@@ -60,10 +60,10 @@ PROMPT_COST_MS = 10  # how far a job moves its tenant's clock per engine prompt 
 # 25 the tenant's weight, 26 the weights of all tenants sharing the queue, 27 ... record field/value pairs.
 # Reply: {'ok', queue, created_at, deadline_at, 'noinfo' when INFO was refused or ''} | {'held',
 #      "<job id>:<digest>"} (the idempotency key is taken) | {'limited', limit name, its value} (the tenant is
-#      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's queued
-#      async jobs, all tenants'} (Redis is within the headroom and the band, and the tenant holds more than its
-#      weight's share) | {'none'} (no worker with a fresh heartbeat and a healthy engine) | {'overloaded',
-#      seconds until the soonest worker could finish it}.
+#      at a limit) | {'full'} (Redis is within the headroom of its maxmemory) | {'crowding', the tenant's async
+#      jobs in Redis (queued, or ended and kept), all tenants'} (Redis is within the headroom and the band, and the
+#      tenant holds more than its weight's share) | {'none'} (no worker with a fresh heartbeat and a healthy
+#      engine) | {'overloaded', seconds until the soonest worker could finish it}.
 _SUBMIT = ARQ_LUA + RECORD_LUA + """
 if ARGV[12] ~= '' then
   local held = redis.call('GET', ARGV[12])
@@ -99,8 +99,10 @@ end
 -- shut every sync caller out; the other half stays the workers'.
 -- Below that, where tenants share the queue, a band (ARGV[24], the headroom again) is kept from the tenants
 -- crowding the others out: there an async job of a tenant that holds more than its weight's share of all
--- tenants' queued async jobs (its weight over all of theirs) is refused, so one tenant's flood (even one alone so
--- far) stops short of it and leaves room for the others', and tenants that all send keep their shares.
+-- tenants' async jobs in Redis (its weight over all of theirs) is refused, so one tenant's flood (even one alone so
+-- far) stops short of it and leaves room for the others', and tenants that all send keep their shares. A tenant's
+-- async jobs in Redis are those queued or running and those ended whose records are kept for their readers
+-- (records.py), which is where most of the memory goes once the queue is short.
 -- A Redis whose ACL refuses INFO (a managed one's may) places without it, and says so in its reply.
 local headroom, memory = tonumber(ARGV[23]), nil
 if ARGV[20] == 'sync' then headroom = headroom / 2 end
@@ -112,7 +114,7 @@ if headroom > 0 then
     if limit and limit > 0 then
       if used > limit * (1 - headroom) then return {'full'} end
       if used > limit * (1 - headroom - tonumber(ARGV[24])) then
-        local mine = queued_async()
+        local mine = queued_async() + redis.call('ZCOUNT', 'TENANT_PREFIX' .. ARGV[14] .. ':kept', '(' .. now, '+inf')
         local all = redis.call('ZCOUNT', 'ASYNC_JOBS', '(' .. now, '+inf')
         if mine * tonumber(ARGV[26]) > tonumber(ARGV[25]) * all then return {'crowding', mine, all} end
       end
@@ -193,7 +195,8 @@ local deadline = now + remaining
 local ttl = math.ceil(remaining) + tonumber(ARGV[10])
 local arq_id = ARGV[8] .. '.1'
 -- An async job is in its tenant's count of queued async jobs and, where tenants share the queue (the band is on),
--- in all tenants' count, which its record says ('counted'), so that only such a job leaves it as it ends.
+-- in all tenants' count, which its record says ('counted'), so that only such a job is moved in it as it ends (to
+-- stay there while its record is kept, records.py).
 local counted = {}
 if ARGV[20] == 'async' then
   counted = {tenant_async}
@@ -238,7 +241,8 @@ class Placement:
     soonest: float | None = None
     full: bool = False  # Redis is within the headroom of its maxmemory
     crowding: tuple[int, int] | None = None  # tenants share the queue, Redis is within twice the headroom, and
-    # the tenant holds more than its weight's share of the queued async jobs: (its, all tenants')
+    # the tenant holds more than its weight's share of the async jobs in Redis (queued, or ended and kept): (its,
+    # all tenants')
     limited: tuple[str, int] | None = None  # the tenant's limit it is at: (its name, its value)
 
 
@@ -246,8 +250,9 @@ class Placement:
 class RedisMemory:
     """Redis's memory as INFO reports it: `used`, `limit` (its maxmemory; 0: none), `admission`, past which
     async placements stop (the limit less the headroom; 0 with no limit; sync ones may use half the headroom),
-    and `crowding`, past which a tenant holding more than its weight's share of the queued async jobs places
-    none (the limit less twice the headroom; None where the queue is one tenant's, which has no such band)."""
+    and `crowding`, past which a tenant holding more than its weight's share of the async jobs in Redis (queued,
+    or ended and kept) places none (the limit less twice the headroom; None where the queue is one tenant's,
+    which has no such band)."""
 
     used: int
     limit: int
@@ -268,7 +273,8 @@ class Admission:
     max_queued_jobs: int | None = None  # the tenant's async jobs not yet ended
     shared_weight: float = 0.0  # the weights of all the tenants that may queue jobs (this one's included), where
     # there are several (0: the queue is this tenant's alone): within twice the headroom of Redis's maxmemory, a
-    # tenant holding more than its share of the queued async jobs (weight / shared_weight) places none
+    # tenant holding more than its share of the async jobs in Redis, queued or kept (weight / shared_weight), places
+    # none
 
     @property
     def shared(self) -> bool:

@@ -55,17 +55,33 @@ local function record_requeued(key, job_id, queue, extra)
 end
 """
 
-def _leave_tenant_counts(tenant: str, job_id: str, kind: str, counted: str) -> str:
-    """Lua: a job that ends leaves the counts of jobs not yet ended (`tenant`, `job_id`, `kind`, `counted`: Lua
-    expressions for the record's tenant field, the job id, the record's kind and its 'counted' field): its
-    tenant's, and for an async job its tenant's count of queued async jobs and, where its record says it is
-    in it, all tenants' (placement.py)."""
+def _leave_tenant_counts(tenant: str, job_id: str, kind: str, counted: str, kept_ttl: str) -> str:
+    """Lua: a job that ends leaves the counts of jobs not yet ended (`tenant`, `job_id`, `kind`, `counted`,
+    `kept_ttl`: Lua expressions for the record's tenant field, the job id, the record's kind, its 'counted' field
+    and the seconds its record is kept from now): its tenant's, and for an async job its tenant's count of queued
+    async jobs. An async job its record says is counted among all tenants' (placement.py: where tenants share the
+    queue) stays in that count, until its record expires, since Redis holds it with its outcome for its reader;
+    and it joins its tenant's count of such kept jobs: the two are what a tenant's share of Redis is taken from
+    near its maxmemory."""
     return f"""
 if {tenant} then
   redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':jobs', {job_id})
   if {kind} ~= 'sync' then redis.call('ZREM', '{keys.TENANT_PREFIX}' .. {tenant} .. ':async', {job_id}) end
 end
-if {counted} == '1' then redis.call('ZREM', '{keys.ASYNC_JOBS}', {job_id}) end"""
+if {counted} == '1' then
+  local clock = redis.call('TIME')
+  local kept_ttl = {kept_ttl}
+  local expires = clock[1] + clock[2] / 1e6 + kept_ttl  -- as the record's own expiry
+  local counts = {{'{keys.ASYNC_JOBS}'}}
+  if {tenant} then
+    counts[2] = '{keys.TENANT_PREFIX}' .. {tenant} .. ':kept'
+    redis.call('ZREMRANGEBYSCORE', counts[2], '-inf', expires - kept_ttl)
+  end
+  for _, key in ipairs(counts) do
+    redis.call('ZADD', key, expires, {job_id})
+    if redis.call('TTL', key) < kept_ttl then redis.call('EXPIRE', key, kept_ttl + {keys.BOUND_SLACK}) end
+  end
+end"""
 
 
 # record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome): the start of the job of record
@@ -104,7 +120,7 @@ local function record_start(key, placement, worker, job_id, done, unseen_before,
 end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL)).replace("API_PREFIX", keys.api_key("")).replace(
     "SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[10]", "job_id", "f[8]", "f[11]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[10]", "job_id", "f[8]", "f[11]", "0"))
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
 # by the job's current placement and only once: 1 stored (also when a retried call finds its own earlier
@@ -128,7 +144,7 @@ end
 return 1
 """.replace("SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace("SYNC_KEEP", str(SYNC_KEEP)).replace(
     "NOTICE_OUTCOME_MAX", str(NOTICE_OUTCOME_MAX)).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]", "f[6]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[5]", "ARGV[5]", "f[3]", "f[6]", "tonumber(ARGV[4])"))
 
 # KEYS: record, done channel; ARGV: job id, status, outcome JSON, result ttl (s), abort mark max age (ms),
 # grace (s; -1: now). Ends a job that has not ended (only once its deadline is `grace` seconds past, unless
@@ -160,7 +176,7 @@ else
 end
 return 1
 """.replace("WAKE_SUFFIX", keys.WAKE_SUFFIX).replace(
-    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]", "f[7]"))
+    "END_FOR_TENANT", _leave_tenant_counts("f[6]", "ARGV[1]", "f[3]", "f[7]", "tonumber(ARGV[4])"))
 
 # KEYS[1] record. A sync job's outcome, read and removed in one step once it ended: {status, outcome}.
 _COLLECT = """
