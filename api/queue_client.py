@@ -180,8 +180,9 @@ class JobQueue:
                                 f"{admission.tenant!r} holds {mine} of the {everyone} async jobs it keeps (queued, or "
                                 f"ended and kept for their readers), more than its share (its weight "
                                 f"{admission.weight:g} of all tenants' "
-                                f"{admission.shared_weight:g}): its async jobs are refused until some have ended, so "
-                                "that other tenants' still get in; sync requests are not held by this; retry later",
+                                f"{admission.shared_weight:g}): its async jobs are refused until it holds no more (as "
+                                "its jobs end and their kept results expire), so that other tenants' still get in; "
+                                "sync requests are not held by this; retry later",
                                 {"Retry-After": "5"}, admission.tenant, "queue_share")
         if placed.no_worker:
             raise NoWorker("no worker is live yet (starting up, or all engines down); retry shortly",

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import redis
 
+from common.queue import keys
 from harness.stacks import Stack, answered, final_statuses, isolated_scripted_stack
 from harness.web import web
 from tests.conftest import wait_until
@@ -129,6 +130,65 @@ def test_a_redis_filled_with_queued_jobs_runs_every_one_of_them_with_its_limit_k
 ALPHA_KEY, BETA_KEY = "alpha-key-0123456789", "beta-key-0123456789"
 
 
+def tenants_file(tmp_path: Path) -> Path:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[tenants.alpha]\nkey = "{ALPHA_KEY}"\noperator = true\n\n'
+                         f'[tenants.beta]\nkey = "{BETA_KEY}"\n')
+    return keys_file
+
+
+def test_near_its_maxmemory_a_tenant_whose_kept_results_fill_redis_is_held_though_its_queue_is_empty(
+        model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
+    """A tenant sends async jobs one at a time and reads each result before the next: its queue is empty at
+    every placement, and what fills Redis is its results, kept for their readers (OPENJEV_JOB_RESULT_TTL).
+    Past twice the headroom below maxmemory it gets 429 all the same, since its share of Redis counts its kept
+    jobs, and the other tenant's async jobs still get in. Counting queued jobs alone, it went on to the
+    headroom, where everyone's async jobs got 503 "the job queue is full"."""
+    alpha, beta = {"Authorization": f"Bearer {ALPHA_KEY}"}, {"Authorization": f"Bearer {BETA_KEY}"}
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REDIS_HEADROOM="0.2",
+                                 OPENJEV_API_KEYS_FILE=str(tenants_file(tmp_path))) as stack:
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            def submit(i: int, headers: dict[str, str]) -> httpx.Response:
+                return web.post(stack.url + "/v1/jobs", json=body({"q": NOUL}, state=f"Ticket {i}"), headers=headers,
+                                timeout=30)
+
+            def ended(response: httpx.Response, headers: dict[str, str]) -> str:
+                job_id = response.json()["id"]
+                return final_statuses(stack.url, [job_id], 30, headers)[0]
+
+            first = submit(0, alpha)
+            assert first.status_code == 202 and ended(first, alpha) == "succeeded", first.text
+            # The band (maxmemory less twice the headroom: 0.6 of it) starts 200 kB above what Redis holds now.
+            client.config_set("maxmemory", int((client.info("memory")["used_memory"] + 200_000) / 0.6))
+            refused, kept = None, 1
+            for i in range(1, 3000):
+                response = submit(i, alpha)
+                if response.status_code != 202:
+                    refused = response
+                    break
+                assert ended(response, alpha) == "succeeded"
+                kept += 1
+            assert refused is not None and refused.status_code == 429, refused and refused.text
+            assert "(queued, or ended and kept for their readers)" in refused.json()["detail"]["message"]
+            assert kept >= 10, kept  # its results did fill Redis up to the band
+            memory = client.info("memory")
+            assert memory["used_memory"] < memory["maxmemory"] * 0.8  # short of the headroom: room left
+            assert client.zcard(keys.tenant_key("alpha", "kept")) == kept
+            assert client.zcard(keys.tenant_key("alpha", "async")) == 0
+
+            for i in range(3):  # the other tenant's async jobs still get in
+                response = submit(10_000 + i, beta)
+                assert response.status_code == 202, response.text
+                assert ended(response, beta) == "succeeded"
+            assert submit(20_000, alpha).status_code == 429
+            assert int(client.info("errorstats").get("errorstat_OOM", {}).get("count", 0)) == 0
+            print(f"\nalpha: {kept} results kept until its share was refused; beta: 3 after it")
+        finally:
+            client.config_set("maxmemory", 0)
+            client.close()
+
+
 def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_flooding_it(
         model_dir: Path, log_dir: Path, tmp_path: Path) -> None:
     """Two tenants share the queue; one floods it with async jobs. Past twice the headroom below Redis's
@@ -136,12 +196,9 @@ def test_near_its_maxmemory_a_shared_queue_keeps_room_for_the_tenants_not_floodi
     while the other tenant's async jobs still get in, and so do the flooding tenant's sync requests; every
     accepted job then runs, and the refusals are counted by tenant. Without the band the flood takes Redis up
     to the headroom and the other tenant's async jobs get 503 "the job queue is full"."""
-    keys_file = tmp_path / "keys.toml"
-    keys_file.write_text(f'[tenants.alpha]\nkey = "{ALPHA_KEY}"\noperator = true\n\n'
-                         f'[tenants.beta]\nkey = "{BETA_KEY}"\n')
     alpha, beta = {"Authorization": f"Bearer {ALPHA_KEY}"}, {"Authorization": f"Bearer {BETA_KEY}"}
     with isolated_scripted_stack(model_dir, log_dir, OPENJEV_REDIS_HEADROOM="0.2",
-                                 OPENJEV_API_KEYS_FILE=str(keys_file)) as stack:
+                                 OPENJEV_API_KEYS_FILE=str(tenants_file(tmp_path))) as stack:
         client = redis.Redis.from_url(stack.redis_url)
         try:
             stack.script(delay=0.3)  # the worker's slots stay busy: the jobs pile up in its queue
