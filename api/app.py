@@ -27,6 +27,8 @@ from common.queue.records import JobStore
 from common.redis_connection import redis_connection, wait_reachable
 from common.settings import Settings
 
+ENDINGS_GRACE = 2.0  # seconds a stopping API waits for the endings of the sync jobs it cut short
+
 DESCRIPTION = """A self-hosted, drop-in TypeSafe System One (Jev) decision API.
 
 Each question is answered from the log-probabilities of single-token answer labels after one
@@ -79,6 +81,7 @@ def create_app(settings: Settings, preparer: JobPreparer | None = None) -> FastA
         try:
             yield
         finally:
+            await app.state.services.queue.settle(ENDINGS_GRACE)
             watching.cancel()
             await cancel_and_wait(present)
             await presence.leave()

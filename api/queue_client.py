@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from api.errors import NoWorker, Overloaded, QueueFull, SyncJobLost, TenantLimited, queue_error
+from common.background import BackgroundWork
 from common.jobs import JobOutcome, JobSpec, JobStatus, Lane, serialize
 from common.logs import RepeatedFailure
 from common.queue import keys
@@ -114,6 +115,7 @@ class JobQueue:
         self.written = AppendOnlyFile(redis)
         self.copied = ReplicaCopy(redis)
         self._reachable = Reachable()
+        self._endings = BackgroundWork(log)  # jobs of requests the stopping server cut short, being ended
 
     async def fleet(self) -> list[tuple[WorkerInfo, int]]:
         """Every heartbeating worker (engine up or down) with its queue length; one round trip."""
@@ -219,6 +221,17 @@ class JobQueue:
                     return outcome
         finally:
             self.waiter.forget(job.id, future)
+
+    def end_soon(self, job_id: str, message: str) -> None:
+        """End the sync job of a request the stopping server cut short (answered 503, its client told to send it
+        again) as cancelled, in the background: queued, it is taken off its queue; running, it is aborted. Nobody
+        reads it now, so no engine time goes to it. `settle` waits for these before the process lets Redis go."""
+        self._endings.start(self.cancel(job_id, JobStatus.cancelled, "unavailable_error", message, 503),
+                            f"job {job_id}: not ended as its request was cut short")
+
+    async def settle(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the endings `end_soon` started."""
+        await self._endings.wait(timeout)
 
     async def wait(self, job_id: str, timeout: float) -> None:
         """Return once the async job `job_id` has ended or is gone, or after `timeout` seconds."""

@@ -70,7 +70,9 @@ async def _run_unless_disconnected(request: Request, job: JobSpec, admission: Ad
         return await queue.run(job, job.remaining(), admission)
     except asyncio.CancelledError:
         if not (hangup.done() and not hangup.cancelled() and hangup.exception() is None):
-            raise  # not the hang-up: the server is stopping
+            if request.app.state.stopping.is_set():  # the stopping server cut it short (api/middleware.py's 503)
+                queue.end_soon(job.id, "the API stopped before this request was answered; send it again")
+            raise
         route.uncancel()
     finally:
         watching = False

@@ -32,6 +32,11 @@ class BackgroundWork:
         task.add_done_callback(functools.partial(self._ended, failure))
         return task
 
+    async def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the tasks started so far to end."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
     async def close(self) -> None:
         """Cancel what has not ended and wait for it to stop."""
         tasks = list(self._tasks)

@@ -1,8 +1,9 @@
-"""An API process's presence (common/queue/presence.py), with real processes: a worker does not start the
-queued sync jobs of an API that was killed (nobody is left to answer them), and starts those of a live API
-however long they waited. The presence lasts 2 s here (20 s by default), so a job is looked at once it
-waited 1.6 s; each engine call stalls 1 s and the worker runs one job at a time, so the jobs queued behind
-the first wait that long."""
+"""Sync jobs whose API process is gone, with real processes. A worker does not start the queued sync jobs of
+an API that was killed (common/queue/presence.py: nobody is left to answer them), and starts those of a
+live API however long they waited: the presence lasts 2 s here (20 s by default), so a job is looked at
+once it waited 1.6 s; each engine call stalls 1 s and the worker runs one job at a time, so the jobs
+queued behind the first wait that long. An API that stops (SIGTERM) and cuts its waiting sync requests
+short (503, send it again) ends their jobs: none is left to run for nobody."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def body(state: str) -> dict[str, Any]:
 def jobs_run(stack: Stack, since: int) -> set[str]:
     """The jobs whose warm call reached the engine after its `since`-th prompt (rids "<job>.<n>.warm")."""
     return {rid.rsplit(".", 2)[0] for rid in stack.engine_stats()["received"][since:] if rid.endswith(".warm")}
+
+
+def idle_engine(stack: Stack) -> dict[str, Any] | None:
+    """The engine's counters once no call is live in it."""
+    stats = stack.engine_stats()
+    return None if stats["live"] else stats
 
 
 @pytest.fixture
@@ -71,3 +78,23 @@ def test_a_killed_apis_queued_sync_jobs_are_not_run_and_a_live_apis_are_however_
     assert counters["endings"].get("gone") == ORPHANS - len(ran), counters["endings"]
     gone = [e for e in events(stack.workers[0].output()) if e.get("event") == "caller_gone"]
     assert len(gone) == ORPHANS - len(ran) and not {e["job_id"] for e in gone} & ran
+
+
+def test_a_stopping_api_ends_the_jobs_of_the_sync_requests_it_cuts_short(model_dir: Path, log_dir: Path) -> None:
+    """The API's graceful shutdown waits 5 s for open requests; a job takes 8 s here, so all three are cut
+    short: the running one is aborted in the engine and the two queued ones never start."""
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
+        stack.script(delay=4.0)
+        queue = keys.queue_name("w0")
+        with ThreadPoolExecutor(3) as pool, redis.Redis.from_url(stack.redis_url) as client:
+            cut = [pool.submit(stack.post, body(f"cut {i}"), timeout=60) for i in range(3)]
+            wait_until(lambda: client.zcard(queue) == 3 and stack.engine_stats()["live"], 30,
+                       "three jobs queued, the first in the engine")
+            assert stack.api.stop(signal.SIGTERM, timeout=30) == 0
+            answers = [future.result() for future in cut]
+            assert [a.status_code for a in answers] == [503] * 3, [a.text for a in answers]
+            assert all("send it again" in a.json()["detail"]["message"] for a in answers)
+            wait_until(lambda: client.zcard(queue) == 0, 15, "the cut requests' jobs ended")
+            stats = wait_until(lambda: idle_engine(stack), 15, "nothing live in the engine")
+    assert len([rid for rid in stats["received"] if rid.endswith(".warm")]) == 1, stats  # the queued two never started
+    assert stats["aborted"], stats  # and the running one was aborted, not run to its end
