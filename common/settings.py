@@ -146,7 +146,8 @@ class Settings(BaseSettings):
         default=20.0, ge=1, le=600, description="Seconds an API process stays counted as live without renewing "
         "its presence in Redis (it renews five times within this). A worker does not start a sync job that waited "
         "longer than four fifths of this and whose API is no longer live (crashed, or cut off from Redis): nobody "
-        "is left to answer it. API and workers must share this setting.")
+        "is left to answer it. A live API's presence never lapses whatever the workers' value, so a value that "
+        "differs between them only moves when a job is looked at.")
     engine_url: str = "http://127.0.0.1:30000"
     worker_id: str | None = Field(default=None, description="Defaults to hostname-pid.")
     worker_poll_delay: float = Field(

@@ -8,6 +8,7 @@ short (503, send it again) ends their jobs: none is left to run for nobody."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def idle_engine(stack: Stack) -> dict[str, Any] | None:
 
 
 @pytest.fixture
-def stack(model_dir: Path, log_dir: Path) -> Any:
+def stack(model_dir: Path, log_dir: Path) -> Iterator[Stack]:
     with isolated_scripted_stack(model_dir, log_dir, OPENJEV_API_PRESENCE_TTL="2",
                                  OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
         stack.script(delay=1.0)
