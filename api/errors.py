@@ -117,9 +117,9 @@ class SyncJobLost(ApiError, status=503, error_type="unavailable_error"):
 
 
 class TenantLimited(ApiError, status=429, error_type="rate_limit_error"):
-    """The tenant is at one of its limits (common/tenants.py), or holds more than its weight's share of the queued
-    async jobs while the queue's Redis nears its maxmemory (`limit` "queue_share"); other tenants are unaffected.
-    Counted in `openjev_tenant_limited_total` by tenant and limit."""
+    """The tenant is at one of its limits (common/tenants.py), or holds more than its weight's share of the async
+    jobs in Redis (queued, or ended and kept) while the queue's Redis nears its maxmemory (`limit` "queue_share");
+    other tenants are unaffected. Counted in `openjev_tenant_limited_total` by tenant and limit."""
 
     def __init__(self, message: str, headers: dict[str, str], tenant: str, limit: str) -> None:
         super().__init__(message, headers)
