@@ -2,7 +2,8 @@
 an API that was killed (common/queue/presence.py: nobody is left to answer them), and starts those of a
 live API however long they waited: the presence lasts 2 s here (20 s by default), so a job is looked at
 once it waited 1.6 s; each engine call stalls 1 s and the worker runs one job at a time, so the jobs
-queued behind the first wait that long. An API that stops (SIGTERM) and cuts its waiting sync requests
+queued behind the first wait that long. The worker's look at its queue ends them too, without waiting for a
+slot to free. An API that stops (SIGTERM) and cuts its waiting sync requests
 short (503, send it again) ends their jobs: none is left to run for nobody."""
 
 from __future__ import annotations
@@ -79,6 +80,32 @@ def test_a_killed_apis_queued_sync_jobs_are_not_run_and_a_live_apis_are_however_
     assert counters["endings"].get("gone") == ORPHANS - len(ran), counters["endings"]
     gone = [e for e in events(stack.workers[0].output()) if e.get("event") == "caller_gone"]
     assert len(gone) == ORPHANS - len(ran) and not {e["job_id"] for e in gone} & ran
+
+
+def test_a_killed_apis_waiting_sync_jobs_leave_the_queue_while_the_worker_is_busy(model_dir: Path,
+                                                                                  log_dir: Path) -> None:
+    """The worker's look at its queue (every second here) ends them as soon as the API's presence has lapsed,
+    before a slot frees for them: the backlog and the admission of new jobs stop counting them at once. The
+    running job is not touched."""
+    with isolated_scripted_stack(model_dir, log_dir, OPENJEV_API_PRESENCE_TTL="2", OPENJEV_WORKER_POLL_DELAY="1",
+                                 OPENJEV_MAX_CONCURRENT_REQUESTS="1") as stack:
+        stack.script(delay=10.0)  # the first job runs 20 s, well past the checks below
+        queue = keys.queue_name("w0")
+        with ThreadPoolExecutor(4) as pool, redis.Redis.from_url(stack.redis_url) as client:
+            orphans = [pool.submit(stack.post, body(f"orphan {i}"), timeout=60) for i in range(4)]
+            wait_until(lambda: client.zcard(queue) == 4 and stack.engine_stats()["live"], 30,
+                       "four jobs queued, the first in the engine")
+            stack.api.stop(signal.SIGKILL)
+            running = stack.engine_stats()["live"]
+            wait_until(lambda: client.zcard(queue) == 1, 15, "the three waiting jobs swept off the queue")
+            assert stack.engine_stats()["live"] == running  # the running job is still in the engine
+            assert client.zcard(keys.waiting_key(queue)) == 0
+            wait_for_next_heartbeat(stack.redis_url, "w0")
+            counters = orjson.loads(client.get(keys.worker_key("w0")))["counters"]
+            assert counters["endings"].get("gone") == 3, counters["endings"]
+            for orphan in orphans:
+                with pytest.raises(httpx.TransportError):
+                    orphan.result()
 
 
 def test_a_stopping_api_ends_the_jobs_of_the_sync_requests_it_cuts_short(model_dir: Path, log_dir: Path) -> None:

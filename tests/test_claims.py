@@ -189,21 +189,13 @@ async def test_a_claim_is_taken_once_and_only_when_due_and_not_held_by_another_p
     assert (await redis.hget(keys.job_key("job_moved"), "status")) == b"queued"
 
 
-async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_starting_once_that_api_is_gone(
-        redis) -> None:
-    """common/queue/presence.py: a claimed sync job that has waited `unseen_before` seconds or more starts only
-    while the key of the API waiting for it is there. Without it, the job ends as cancelled with the 503 a
-    reader alive after all would answer, the notice carries that outcome, the job leaves its tenant's count
-    and the placement leaves the queue with its arq keys. A sync job that waited less, one whose API is live,
-    and an async job start as before."""
-    import orjson
-
-    from common.jobs import JobOutcome
+async def queue_jobs_of_a_live_and_a_dead_api(redis, queue: str) -> None:
+    """Four placements waiting on `queue`, as the placement script leaves them, for tenant "acme": sync jobs of a
+    dead API (job_dead_api, placed 30 s ago; job_dead_api_recent, 2 s ago), a sync job of a live API placed 30 s
+    ago (job_live_api), and an async job placed 30 s ago (job_async)."""
     from common.queue import keys
-    from common.queue.claims import Claims
-    from common.queue.presence import GONE_OUTCOME
 
-    queue, now = "claims-presence", time.time()
+    now = time.time()
     await redis.set(keys.api_key("api-live"), "1", px=20_000)
     await redis.delete(keys.api_key("api-dead"))
     jobs = {  # job id -> (kind, api, seconds waited)
@@ -218,6 +210,24 @@ async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_sta
         await redis.hset(keys.job_key(job_id), mapping={
             "status": "queued", "placement": placement, "kind": kind, "tenant": "acme", "queue": queue,
             "created_at": now - waited, "deadline_at": now + 60, **({"api": api} if api else {})})
+
+
+async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_starting_once_that_api_is_gone(
+        redis) -> None:
+    """common/queue/presence.py: a claimed sync job that has waited `unseen_before` seconds or more starts only
+    while the key of the API waiting for it is there. Without it, the job ends as cancelled with the 503 a
+    reader alive after all would answer, the notice carries that outcome, the job leaves its tenant's count
+    and the placement leaves the queue with its arq keys. A sync job that waited less, one whose API is live,
+    and an async job start as before."""
+    import orjson
+
+    from common.jobs import JobOutcome
+    from common.queue import keys
+    from common.queue.claims import Claims
+    from common.queue.presence import GONE_OUTCOME
+
+    queue = "claims-presence"
+    await queue_jobs_of_a_live_and_a_dead_api(redis, queue)
     claims = Claims(redis, queue, "w-presence", 30.0, unseen_before=16.0)
     notices = redis.pubsub(ignore_subscribe_messages=True)
     await notices.subscribe(keys.DONE_CHANNEL)
@@ -246,3 +256,27 @@ async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_sta
         assert claimed is not None and not claimed.gone and claimed.started is not None, job_id
         assert await redis.hget(keys.job_key(job_id), "status") == b"running"
         assert await redis.zscore(keys.tenant_key("acme", "jobs"), job_id) is not None
+
+
+async def test_a_look_at_the_queue_ends_and_takes_off_the_waiting_sync_jobs_of_a_gone_api(redis) -> None:
+    """The worker's regular look (claims.py `look`) ends the placements waiting on its queue whose jobs are sync
+    jobs of a gone API, as a claim would, before the worker reaches them: they leave the queue, its waiting set
+    (the backlog /metrics reports) and their tenant's count at once. The others are due as before."""
+    from common.queue import keys
+    from common.queue.claims import Claims
+
+    queue = "claims-look"
+    await queue_jobs_of_a_live_and_a_dead_api(redis, queue)
+    looked = await Claims(redis, queue, "w-look", 30.0, unseen_before=16.0).look(limit=100)
+    assert looked.gone == ["job_dead_api.1"]
+    assert sorted(arq_job_id for arq_job_id, _ in looked.due) == [
+        "job_async.1", "job_dead_api_recent.1", "job_live_api.1"]
+    assert await redis.hget(keys.job_key("job_dead_api"), "status") == b"cancelled"
+    assert await redis.zscore(queue, "job_dead_api.1") is None
+    assert await redis.zscore(queue + ":waiting", "job_dead_api.1") is None
+    assert not await redis.exists(keys.ARQ_JOB + "job_dead_api.1")
+    assert await redis.zscore(keys.tenant_key("acme", "jobs"), "job_dead_api") is None
+    for job_id in ("job_live_api", "job_dead_api_recent", "job_async"):  # untouched
+        assert await redis.hget(keys.job_key(job_id), "status") == b"queued"
+        assert await redis.zscore(queue + ":waiting", f"{job_id}.1") is not None
+    assert (await Claims(redis, queue, "w-look", 30.0, unseen_before=16.0).look(limit=100)).gone == []

@@ -37,7 +37,6 @@ import itertools
 import logging
 
 from arq import Worker
-from arq.utils import timestamp_ms
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -111,15 +110,16 @@ class WakeUps:
     async def look(self) -> None:
         """Take in what is due in the queue (as arq's poll would read it) and not already running here."""
         try:
-            due = await self.redis.zrangebyscore(self.queue, "-inf", timestamp_ms(), start=0,
-                                                 num=self.worker.queue_read_limit, withscores=True)
+            looked = await self.claims.look(self.worker.queue_read_limit)
         except (RedisError, OSError) as exc:
             self._look_failures.failed(exc, f"the next one, in {self.look_interval:g} s, tries again")
             return
         self._look_failures.succeeded()
-        for arq_job_id, score in due:
-            if not self._runs_here(arq_job_id.decode()):
-                self._announce(arq_job_id, score)
+        for arq_job_id in looked.gone:
+            self._gone(arq_job_id)
+        for arq_job_id, score in looked.due:
+            if not self._runs_here(arq_job_id):
+                self._announce(arq_job_id.encode(), score)
 
     def _runs_here(self, arq_job_id: str) -> bool:
         task = self.worker.tasks.get(arq_job_id)
@@ -176,15 +176,20 @@ class WakeUps:
         if claimed is None:
             return
         if claimed.gone:
-            self.counters.record_ending("gone")
-            log.info("job %s: not run, its API process is gone (nobody is left to answer it)", keys.job_of(job_id),
-                     extra={"event": "caller_gone", "job_id": keys.job_of(job_id)})
+            self._gone(job_id)
             return
         self._started[job_id] = claimed.started
         self.worker.job_counter += 1  # what arq's `start_jobs` counts, given back as the job's task ends
         task = asyncio.create_task(self.worker.run_job(job_id, claimed.score), name=f"job {job_id}")
         task.add_done_callback(functools.partial(self._slot_freed, job_id))
         self.worker.tasks[job_id] = task
+
+    def _gone(self, arq_job_id: str) -> None:
+        """A placement whose job was a sync job of a gone API, ended and taken off the queue by a claim or a look."""
+        self.counters.record_ending("gone")
+        job_id = keys.job_of(arq_job_id)
+        log.info("job %s: not run, its API process is gone (nobody is left to answer it)", job_id,
+                 extra={"event": "caller_gone", "job_id": job_id})
 
     def started(self, arq_job_id: str) -> Started | None:
         """The start of the job of a placement claimed here (None: it may not run), once: `evaluate`'s."""

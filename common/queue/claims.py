@@ -42,6 +42,28 @@ redis.call('ZREM', KEYS[1] .. ':waiting', ARGV[1])
 return {score, started}
 """
 
+# KEYS[1] the queue, KEYS[2] the done channel; ARGV: the worker's clock (ms), the most placements to read, the wait
+# (s) past which a sync job's API is looked at, the outcome of a sync job whose API is gone. A worker's regular look
+# at its own queue: first the placements waiting there whose jobs are sync jobs of a gone API end and are taken off
+# (`record_sweep_gone`, at most SWEEP_LIMIT a look), so none of them counts as ahead of a new job or in the backlog
+# until the worker would reach it; then what is due, as arq's poll reads it. {placements swept, {id, score, ...}}.
+_LOOK = ARQ_LUA + START_LUA + """
+local swept = record_sweep_gone(KEYS[1], KEYS[2], tonumber(ARGV[3]), ARGV[4], SWEEP_LIMIT)
+for _, placement in ipairs(swept) do arq_take_off(KEYS[1], placement) end
+return {swept, redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))}
+"""
+SWEEP_LIMIT = 100  # placements a look may end as gone; more wait for the next look (or their claims)
+_LOOK = _LOOK.replace("SWEEP_LIMIT", str(SWEEP_LIMIT))
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What a look at the queue found: the placements due (arq job id, score), lowest score first, and those whose
+    jobs it ended because their API is gone."""
+
+    due: list[tuple[str, float]]
+    gone: list[str]
+
 
 @dataclass(frozen=True)
 class Claimed:
@@ -66,6 +88,7 @@ class Claims:
         self.holder = f"{worker_id}/{secrets.token_hex(4)}"
         self.hold_ms = int(hold_s * 1000)
         self._claim = redis.register_script(_CLAIM)
+        self._look = redis.register_script(_LOOK)
 
     async def claim(self, arq_job_id: str) -> Claimed | None:
         """The placement claimed here, with its job's start; None when it is not to be run here now
@@ -81,3 +104,11 @@ class Claims:
         if start == b"gone":
             return Claimed(int(float(score)), None, gone=True)
         return Claimed(int(float(score)), started_from(start))
+
+    async def look(self, limit: int) -> Looked:
+        """The placements due on the queue by the worker's clock, up to `limit` (what arq's poll reads), after
+        ending those waiting there whose jobs' API is gone."""
+        swept, due = await self._look(keys=[self.queue, keys.DONE_CHANNEL],
+                                      args=[timestamp_ms(), limit, repr(self.unseen_before), GONE_OUTCOME])
+        return Looked(due=[(due[i].decode(), float(due[i + 1])) for i in range(0, len(due), 2)],
+                      gone=[placement.decode() for placement in swept])

@@ -5,7 +5,9 @@ it, and running the job would spend the engine on an answer nobody reads, for up
 process keeps a key of its own alive (`keys.api_key`, renewed five times per `ttl`), its sync jobs' records
 name it, and a worker that claims a sync job which has waited long enough for a dead API's key to have
 lapsed looks at that key first (records.py `record_start`): gone, the job ends as `cancelled` (503 for a
-reader that is alive after all) and is taken off the queue instead of run. A job that waited less is not
+reader that is alive after all) and is taken off the queue instead of run. The worker's regular look at its
+queue does the same for the jobs waiting there (records.py `record_sweep_gone`), so they leave the backlog
+and stop counting as ahead of new jobs without waiting for a job slot to free. A job that waited less is not
 looked at: its API's key cannot have lapsed yet, whatever happened to it, so an unloaded queue pays no
 command for this."""
 

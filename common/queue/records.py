@@ -84,30 +84,50 @@ if {counted} == '1' then
 end"""
 
 
+# Lua functions run by claims.py's scripts: a job's start when its placement is claimed (`record_start`), and the
+# sweep of a queue's waiting placements whose jobs' readers are gone (`record_sweep_gone`). A sync job that has waited
+# `unseen_before` seconds or more and whose API's presence has lapsed (common/queue/presence.py) is nobody's to
+# answer: it ends as `gone_outcome` (cancelled, 503 for a reader alive after all), announced on channel `done` as a
+# store announces a sync job's ("<job id> cancelled <outcome>"), and leaves its tenant's count (`ended_if_gone`).
+#
 # record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome): the start of the job of record
-# `key` by `placement` (its arq job id) on `worker`, a Lua function that claims.py's claim runs (the claim also
-# takes the placement out of its queue's waiting set). Nothing (false) unless the record names this placement and
-# the job has not ended. A sync job that has waited `unseen_before` seconds or more and whose API's presence has
-# lapsed (common/queue/presence.py) ends instead, as `gone_outcome`, announced on channel `done` as a store
-# announces a sync job's ("<job id> cancelled <outcome>"), and the reply is 'gone'. Otherwise it is running here
-# (its fair start is the queue's virtual time if later, common/queue/placement.py), its `attempts` (starts,
-# anywhere) count one more, and the reply is {created_at, deadline_at, now, attempts} by Redis's clock. A running
-# job is taken again only by its own placement (the worker that serves its queue restarted).
+# `key` by `placement` (its arq job id) on `worker` (the claim also takes the placement out of its queue's waiting
+# set). Nothing (false) unless the record names this placement and the job has not ended; 'gone' for a job ended
+# as above. Otherwise it is running here (its fair start is the queue's virtual time if later,
+# common/queue/placement.py), its `attempts` (starts, anywhere) count one more, and the reply is {created_at,
+# deadline_at, now, attempts} by Redis's clock. A running job is taken again only by its own placement (the worker
+# that serves its queue restarted).
+#
+# record_sweep_gone(queue, done, unseen_before, gone_outcome, limit): up to `limit` of the placements waiting on
+# `queue` since `unseen_before` seconds or more whose jobs end as above; returns them (the caller takes them off).
 START_LUA = """
-local function record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome)
-  local f = redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
-                      'attempts', 'kind', 'api', 'tenant', 'counted')
-  if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
-  local t = redis.call('TIME')
-  local now = t[1] + t[2] / 1e6
-  if f[8] == 'sync' and f[9] and now - tonumber(f[3]) >= unseen_before
-      and redis.call('EXISTS', 'API_PREFIX' .. f[9]) == 0 then
-    redis.call('HSET', key, 'status', 'cancelled', 'outcome', gone_outcome, 'ended_by', placement)
-    END_FOR_TENANT
-    redis.call('EXPIRE', key, SYNC_ANSWERED_KEEP)
-    redis.call('PUBLISH', done, job_id .. ' cancelled ' .. gone_outcome)
-    return 'gone'
+local function record_fields(key)
+  return redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
+                    'attempts', 'kind', 'api', 'tenant', 'counted')
+end
+
+local function ended_if_gone(key, f, placement, job_id, done, now, unseen_before, gone_outcome)
+  if f[8] ~= 'sync' or not f[9] or now - tonumber(f[3]) < unseen_before
+      or redis.call('EXISTS', 'API_PREFIX' .. f[9]) == 1 then
+    return false
   end
+  redis.call('HSET', key, 'status', 'cancelled', 'outcome', gone_outcome, 'ended_by', placement)
+  END_FOR_TENANT
+  redis.call('EXPIRE', key, SYNC_ANSWERED_KEEP)
+  redis.call('PUBLISH', done, job_id .. ' cancelled ' .. gone_outcome)
+  return true
+end
+
+local function redis_now()
+  local t = redis.call('TIME')
+  return t[1] + t[2] / 1e6
+end
+
+local function record_start(key, placement, worker, job_id, done, unseen_before, gone_outcome)
+  local f = record_fields(key)
+  if f[2] ~= placement or (f[1] ~= 'queued' and f[1] ~= 'running') then return false end
+  local now = redis_now()
+  if ended_if_gone(key, f, placement, job_id, done, now, unseen_before, gone_outcome) then return 'gone' end
   local attempts = (tonumber(f[7]) or 0) + 1
   redis.call('HSET', key, 'status', 'running', 'worker', worker, 'started_at', tostring(now), 'attempts', attempts)
   if f[5] then
@@ -118,8 +138,23 @@ local function record_start(key, placement, worker, job_id, done, unseen_before,
   end
   return {f[3], f[4], tostring(now), attempts}
 end
+
+local function record_sweep_gone(queue, done, unseen_before, gone_outcome, limit)
+  local now, swept = redis_now(), {}
+  for _, placement in ipairs(redis.call('ZRANGEBYSCORE', queue .. ':waiting', '-inf', now - unseen_before,
+                                        'LIMIT', 0, limit)) do
+    local job_id = string.match(placement, '^(.*)%.%d+$')
+    local key = 'JOB_PREFIX' .. job_id
+    local f = record_fields(key)
+    if f[2] == placement and f[1] == 'queued'
+        and ended_if_gone(key, f, placement, job_id, done, now, unseen_before, gone_outcome) then
+      swept[#swept + 1] = placement
+    end
+  end
+  return swept
+end
 """.replace("CLOCK_TTL", str(keys.CLOCK_TTL)).replace("API_PREFIX", keys.api_key("")).replace(
-    "SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace(
+    "JOB_PREFIX", keys.job_key("")).replace("SYNC_ANSWERED_KEEP", str(SYNC_ANSWERED_KEEP)).replace(
     "END_FOR_TENANT", _leave_tenant_counts("f[10]", "job_id", "f[8]", "f[11]", "0"))
 
 # KEYS: record, done channel; ARGV: arq job id, status, outcome JSON, result ttl (s), job id. Stored only
