@@ -11,8 +11,9 @@ so a sync request is started before a batch backlog announced earlier.
 
 A missed message costs latency, never a job: every OPENJEV_WORKER_POLL_DELAY seconds this module also
 looks at the queue itself and starts what is due there (what a wake-up missed, and a claim Redis broke
-off), so that look can be slow and an idle worker nearly free (bench/RESULTS.md). A worker that does not
-listen (OPENJEV_WORKER_WAKEUPS=false) starts jobs on that look alone.
+off; the same look ends the waiting sync jobs of a gone API, common/queue/presence.py), so that look can
+be slow and an idle worker nearly free (bench/RESULTS.md). A worker that does not listen
+(OPENJEV_WORKER_WAKEUPS=false) starts jobs on that look alone.
 
 arq's own poll starts nothing (`allow_pick_jobs` is off from the start: it still reads cancellations
 and keeps arq's health key). arq's claim, `Worker.start_jobs`, takes four round trips, and loses a job

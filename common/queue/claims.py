@@ -2,7 +2,8 @@
 `Worker.start_jobs` checks and writes (no claim held by another, still queued, due), then the job record's
 start (records.py `record_start`: the record names this placement and the job has not ended), in one
 script instead of arq's four round trips and the start's own. A sync job whose API process is gone
-(presence.py) ends there instead, and its placement leaves the queue. worker/wakeups.py then hands the job to
+(presence.py) ends there instead, and its placement leaves the queue; the worker's regular look at its
+queue (`Claims.look`) ends such jobs while they wait. worker/wakeups.py then hands the job to
 arq's own `Worker.run_job`, and `evaluate` takes the start from there. A placement is claimed even when
 its job may not start (moved, cancelled or ended meanwhile), so that arq finishes it and drops its keys;
 either way, a claimed placement leaves the queue's waiting set in the same script.
