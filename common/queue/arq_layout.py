@@ -1,8 +1,9 @@
 """arq's job layout, written in one place. Besides arq itself (its worker runs and finishes a job),
 the queue writes arq's keys only through the Lua functions below, which the scripts that need them
-include: claims.py's claim (`arq_claim`, the worker's claim in place of arq's), placement.py's submit
-(`arq_enqueue`), leases.py's move (`arq_take_off`, `arq_enqueue`) and resume (`arq_release_claims`),
-reruns.py's rerun (`arq_payload`, `arq_enqueue`) and records.py's cancel (`arq_abort`). They write what
+include: claims.py's claim (`arq_claim`, the worker's claim in place of arq's; `arq_take_off` for a job
+whose API is gone) and look (`arq_take_off`, the same), placement.py's submit (`arq_enqueue`), leases.py's
+move (`arq_take_off`, `arq_enqueue`) and resume (`arq_release_claims`), reruns.py's rerun (`arq_payload`,
+`arq_enqueue`) and records.py's cancel (`arq_abort`). They write what
 arq's own `Worker.start_jobs`, `ArqRedis.enqueue_job` and `Job.abort` write (README, "What
 happens to a request", says why the scripts cannot call them); arq is pinned exactly, and
 tests/test_arq_surface.py checks that the installed release reads this layout.
