@@ -127,7 +127,7 @@ async def test_a_claim_redis_breaks_off_costs_no_slot_and_the_job_still_runs(
                     poll_delay=0.05, keep_result=0, handle_signals=False, job_serializer=serialize,
                     job_deserializer=deserialize)
     wakeups = WakeUps(pool, "claims-test", worker, RunningJobs(), worker_id="w-claims", look_interval=0.05,
-                      unseen_before=16.0, counters=WorkerCounters(), listen=False)
+                      unseen_before=16.0, counters=WorkerCounters(), sync_deadline=120.0, listen=False)
     assert worker.in_progress_timeout_s > 60  # a claim left standing would hold the job well past this test
     main = asyncio.create_task(worker.main())
     try:
@@ -261,16 +261,25 @@ async def test_a_sync_job_that_waited_past_its_apis_presence_ends_instead_of_sta
 async def test_a_look_at_the_queue_ends_and_takes_off_the_waiting_sync_jobs_of_a_gone_api(redis) -> None:
     """The worker's regular look (claims.py `look`) ends the placements waiting on its queue whose jobs are sync
     jobs of a gone API, as a claim would, before the worker reaches them: they leave the queue, its waiting set
-    (the backlog /metrics reports) and their tenant's count at once. The others are due as before."""
+    (the backlog /metrics reports) and their tenant's count at once. The others are due as before. A placement
+    waiting longer than a sync job lives (an async backlog) is not read."""
     from common.queue import keys
     from common.queue.claims import Claims
 
     queue = "claims-look"
     await queue_jobs_of_a_live_and_a_dead_api(redis, queue)
-    looked = await Claims(redis, queue, "w-look", 30.0, unseen_before=16.0).look(limit=100)
+    # Waiting longer than a sync job lives: the look reads no such placement (its claim ends it all the same).
+    await redis.zadd(queue, {"job_older.1": 0})
+    await redis.zadd(queue + ":waiting", {"job_older.1": time.time() - 200})
+    await redis.hset(keys.job_key("job_older"), mapping={
+        "status": "queued", "placement": "job_older.1", "kind": "sync", "api": "api-dead", "tenant": "acme",
+        "queue": queue, "created_at": time.time() - 200, "deadline_at": time.time() + 60})
+    claims = Claims(redis, queue, "w-look", 30.0, unseen_before=16.0, sync_deadline=120.0)
+    looked = await claims.look(limit=100)
     assert looked.gone == ["job_dead_api.1"]
     assert sorted(arq_job_id for arq_job_id, _ in looked.due) == [
-        "job_async.1", "job_dead_api_recent.1", "job_live_api.1"]
+        "job_async.1", "job_dead_api_recent.1", "job_live_api.1", "job_older.1"]
+    assert await redis.hget(keys.job_key("job_older"), "status") == b"queued"
     assert await redis.hget(keys.job_key("job_dead_api"), "status") == b"cancelled"
     assert await redis.zscore(queue, "job_dead_api.1") is None
     assert await redis.zscore(queue + ":waiting", "job_dead_api.1") is None
@@ -279,4 +288,5 @@ async def test_a_look_at_the_queue_ends_and_takes_off_the_waiting_sync_jobs_of_a
     for job_id in ("job_live_api", "job_dead_api_recent", "job_async"):  # untouched
         assert await redis.hget(keys.job_key(job_id), "status") == b"queued"
         assert await redis.zscore(queue + ":waiting", f"{job_id}.1") is not None
-    assert (await Claims(redis, queue, "w-look", 30.0, unseen_before=16.0).look(limit=100)).gone == []
+    assert (await claims.look(limit=100)).gone == []
+    assert (await claims.claim("job_older.1")).gone  # its claim looks at its API whatever its age

@@ -74,6 +74,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     state.wakeups = WakeUps(redis, info.queue, state.worker, state.running, worker_id=info.id,
                             look_interval=settings.worker_poll_delay,
                             unseen_before=unseen_before(settings.api_presence_ttl), counters=info.counters,
+                            sync_deadline=settings.request_timeout,
                             listen=settings.worker_wakeups,
                             ready=health.answering)
     await state.wakeups.start()  # before the first heartbeat: a job placed once we are routable wakes us

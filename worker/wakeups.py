@@ -60,16 +60,17 @@ class WakeUps:
     `listen`) and on a look at the queue every `look_interval` seconds."""
 
     def __init__(self, redis: Redis, queue: str, worker: Worker, running: RunningJobs, *, worker_id: str,
-                 look_interval: float, unseen_before: float, counters: WorkerCounters, listen: bool = True,
-                 ready: asyncio.Event | None = None) -> None:
+                 look_interval: float, unseen_before: float, counters: WorkerCounters, sync_deadline: float,
+                 listen: bool = True, ready: asyncio.Event | None = None) -> None:
         """`unseen_before`: the wait (s) past which a sync job starts only while its API is live
-        (common/queue/presence.py); `counters`: where a job ended for that is counted ("gone")."""
+        (common/queue/presence.py); `counters`: where a job ended for that is counted ("gone"); `sync_deadline`:
+        the longest a sync job lives (a look reads no waiting placement older)."""
         self.redis = redis
         self.queue = queue
         self.worker = worker
         self.running = running
         self.look_interval = look_interval
-        self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s, unseen_before)
+        self.claims = Claims(redis, queue, worker_id, worker.in_progress_timeout_s, unseen_before, sync_deadline)
         self.counters = counters
         self.ready = ready
         self._started: dict[str, Started | None] = {}  # arq job id -> its job's start, until `evaluate` takes it

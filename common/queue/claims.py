@@ -44,16 +44,18 @@ return {score, started}
 """
 
 # KEYS[1] the queue, KEYS[2] the done channel; ARGV: the worker's clock (ms), the most placements to read, the wait
-# (s) past which a sync job's API is looked at, the outcome of a sync job whose API is gone. A worker's regular look
+# (s) past which a sync job's API is looked at, the outcome of a sync job whose API is gone, the longest a sync job
+# waits (s: its deadline; a placement waiting longer is an async job, not looked at). A worker's regular look
 # at its own queue: first the placements waiting there whose jobs are sync jobs of a gone API end and are taken off
 # (`record_sweep_gone`, at most SWEEP_LIMIT a look), so none of them counts as ahead of a new job or in the backlog
 # until the worker would reach it; then what is due, as arq's poll reads it. {placements swept, {id, score, ...}}.
 _LOOK = ARQ_LUA + START_LUA + """
-local swept = record_sweep_gone(KEYS[1], KEYS[2], tonumber(ARGV[3]), ARGV[4], SWEEP_LIMIT)
+local swept = record_sweep_gone(KEYS[1], KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[5]), ARGV[4], SWEEP_LIMIT)
 for _, placement in ipairs(swept) do arq_take_off(KEYS[1], placement) end
 return {swept, redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[2]))}
 """
 SWEEP_LIMIT = 100  # placements a look may end as gone; more wait for the next look (or their claims)
+SYNC_DEADLINE_UNKNOWN = 10**9  # seconds: every waiting placement past the threshold is looked at
 _LOOK = _LOOK.replace("SWEEP_LIMIT", str(SWEEP_LIMIT))
 
 
@@ -80,11 +82,14 @@ class Claimed:
 class Claims:
     """Claims placements on `queue` for this process of worker `worker_id`, each held `hold_s` seconds
     (arq's `in_progress_timeout_s`: longer than any job runs); a sync job that waited `unseen_before` seconds
-    or more is started only while its API is live (common/queue/presence.py)."""
+    or more is started only while its API is live (common/queue/presence.py). `sync_deadline`: the longest a
+    sync job lives (OPENJEV_REQUEST_TIMEOUT), past which a look at the queue reads no waiting placement."""
 
-    def __init__(self, redis: Redis, queue: str, worker_id: str, hold_s: float, unseen_before: float) -> None:
+    def __init__(self, redis: Redis, queue: str, worker_id: str, hold_s: float, unseen_before: float,
+                 sync_deadline: float = SYNC_DEADLINE_UNKNOWN) -> None:
         self.queue = queue
         self.unseen_before = unseen_before
+        self.sync_deadline = min(sync_deadline, SYNC_DEADLINE_UNKNOWN)
         self.worker_id = worker_id
         self.holder = f"{worker_id}/{secrets.token_hex(4)}"
         self.hold_ms = int(hold_s * 1000)
@@ -110,6 +115,7 @@ class Claims:
         """The placements due on the queue by the worker's clock, up to `limit` (what arq's poll reads), after
         ending those waiting there whose jobs' API is gone."""
         swept, due = await self._look(keys=[self.queue, keys.DONE_CHANNEL],
-                                      args=[timestamp_ms(), limit, repr(self.unseen_before), GONE_OUTCOME])
+                                      args=[timestamp_ms(), limit, repr(self.unseen_before), GONE_OUTCOME,
+                                            repr(self.sync_deadline)])
         return Looked(due=[(due[i].decode(), float(due[i + 1])) for i in range(0, len(due), 2)],
                       gone=[placement.decode() for placement in swept])

@@ -98,8 +98,10 @@ end"""
 # deadline_at, now, attempts} by Redis's clock. A running job is taken again only by its own placement (the worker
 # that serves its queue restarted).
 #
-# record_sweep_gone(queue, done, unseen_before, gone_outcome, limit): up to `limit` of the placements waiting on
-# `queue` since `unseen_before` seconds or more whose jobs end as above; returns them (the caller takes them off).
+# record_sweep_gone(queue, done, unseen_before, oldest, gone_outcome, limit): up to `limit` of the placements
+# waiting on `queue` since `unseen_before` seconds or more, and `oldest` seconds at most (a sync job's deadline: one
+# waiting longer is an async job, which this would only read), whose jobs end as above, oldest first; returns them
+# (the caller takes them off).
 START_LUA = """
 local function record_fields(key)
   return redis.call('HMGET', key, 'status', 'placement', 'created_at', 'deadline_at', 'queue', 'fair_start',
@@ -139,9 +141,9 @@ local function record_start(key, placement, worker, job_id, done, unseen_before,
   return {f[3], f[4], tostring(now), attempts}
 end
 
-local function record_sweep_gone(queue, done, unseen_before, gone_outcome, limit)
+local function record_sweep_gone(queue, done, unseen_before, oldest, gone_outcome, limit)
   local now, swept = redis_now(), {}
-  for _, placement in ipairs(redis.call('ZRANGEBYSCORE', queue .. ':waiting', '-inf', now - unseen_before,
+  for _, placement in ipairs(redis.call('ZRANGEBYSCORE', queue .. ':waiting', now - oldest, now - unseen_before,
                                         'LIMIT', 0, limit)) do
     local job_id = string.match(placement, '^(.*)%.%d+$')
     local key = 'JOB_PREFIX' .. job_id
