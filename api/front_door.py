@@ -9,7 +9,9 @@ methods) and answers 400, 405, 408, 431 or 503 itself. h11 rather than uvicorn's
 h11 turns down a protocol switch (`Upgrade: h2c`, `Upgrade: websocket`) by answering over HTTP/1.1 and
 keeps the connection, as nginx does, where httptools stops parsing the connection after one. The body
 deadline is the body gate's (api/middleware.py), which answers 408 from inside the app; here a body
-that never completes only gets its connection closed after it."""
+that never completes only gets its connection closed after it. Every close of a connection whose request is
+still arriving lingers (ours, and uvicorn's after the app's early answers: `LingeringClose`), so the bytes
+the client sends on are read and dropped rather than answered with a reset that can take the answer with it."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ class FrontDoor(asyncio.Protocol):
         self.open.count += 1
         self.admitted = True
         self._arm_header_timer()
-        self.inner.connection_made(transport)
+        self.inner.connection_made(LingeringClose(transport, self))
 
     def data_received(self, data: bytes) -> None:
         if self.refused or not self.admitted or transport_closing(self.transport):
@@ -204,11 +206,23 @@ class FrontDoor(asyncio.Protocol):
                 f"content-length: {len(body)}", "connection: close", f"x-typesafe-request-id: {new_request_id()}",
                 *(f"{name}: {value}" for name, value in (headers or {}).items())]
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-        # A lingering close, as nginx does: closing with unread bytes would send a reset, which can
-        # destroy the answer before the client reads it. Stop writing, drain a while, then close.
+        self.linger()
+
+    def reading_request(self) -> bool:
+        """True while a request's head or body is still arriving: closing now could leave bytes unread."""
+        return self.in_head or self.body_timer is not None
+
+    def linger(self) -> None:
+        """A lingering close, as nginx does: closing with unread bytes would send a reset, which can destroy
+        the answer before the client reads it. Stop writing, drain (and drop) what still comes a while, then
+        close."""
+        assert self.transport is not None
+        self._cancel_timers()
         self.refused = True
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        if not self.transport.is_reading():
+            self.transport.resume_reading()
         self.loop.call_later(LINGER, self.transport.close)
 
     def _cancel_timers(self) -> None:
@@ -230,6 +244,73 @@ _ERROR_TYPES = {
     HTTPStatus.REQUEST_TIMEOUT: "request_timeout",
     HTTPStatus.SERVICE_UNAVAILABLE: "unavailable_error",
 }
+
+
+class LingeringClose(asyncio.Transport):
+    """The connection's transport as uvicorn's protocol sees it: the same, except that uvicorn's close of a
+    connection whose request is still arriving (the body gate's 408 to a trickled body, any answer given before
+    the body was read) lingers as the front door's own refusals do, instead of resetting the connection under
+    an answer the client has not read yet. Any other close (an idle keep-alive, a shutdown) is at once."""
+
+    def __init__(self, transport: asyncio.Transport, door: FrontDoor) -> None:
+        super().__init__()
+        self.transport = transport
+        self.door = door
+        self.lingering = False
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        if self.door.reading_request() and not self.transport.is_closing():
+            self.lingering = True
+            self.door.linger()
+        else:
+            self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.transport.is_closing()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.transport.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.transport.writelines(list_of_data)
+
+    def write_eof(self) -> None:
+        self.transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self.transport.can_write_eof()
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self.transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.transport.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.transport.get_write_buffer_limits()
 
 
 def transport_closing(transport: asyncio.Transport | None) -> bool:

@@ -299,6 +299,22 @@ def test_the_key_is_checked_before_the_body_is_read(keyed: Proc, headers: dict, 
         assert r.json()["detail"]["error_type"] == "authentication_error"
 
 
+def test_a_413_is_read_whole_though_the_client_goes_on_sending_its_body(door: Proc) -> None:
+    """The body gate answers 413 to a declared length over the limit before reading a byte, and uvicorn then
+    closes the connection while the client is still sending the body it declared, as clients do. A plain
+    close with those bytes unread answers them with a reset: the client's send fails, and its read of the
+    answer with it. The front door's close lingers instead, reading and dropping them, so the client sends
+    what it sends and reads the answer, then the end of the connection."""
+    with closing(connect(door)) as sock:
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 300000000\r\n\r\n")
+        for _ in range(64):  # 4 MB of the body, sent on after the answer
+            sock.sendall(b"x" * 65536)
+        response = read_all(sock)  # a reset raises ConnectionResetError (or BrokenPipeError above)
+    assert status_of(response) == 413, response
+    assert json_body(response)["detail"]["error_type"] == "request_too_large"
+
+
 def test_with_the_key_the_same_bad_bodies_get_their_own_4xx(keyed: Proc) -> None:
     auth = {"Authorization": "Bearer door-key-123", "Content-Type": "application/json"}
     url = keyed.url + "/v1/systemone"
