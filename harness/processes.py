@@ -11,9 +11,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
+from urllib.parse import urlsplit
 
 import httpx
 
+from harness.procfs import listens_on
 from harness.web import web
 from openjev.embedded_redis import free_port
 
@@ -63,12 +65,16 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, health
 
 
 def wait_http(proc: Proc, url: str, timeout: float, status: int = 200) -> None:
+    """Until `url` answers `status` from `proc` itself: a server that binds its port late (the CPU engine, after
+    loading its model) may find another test's server answering there meanwhile, which does not count."""
+    port = urlsplit(url).port
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited with {proc.process.returncode}:\n{proc.output()[-4000:]}")
         try:
-            if web.get(url, timeout=2.0).status_code == status:
+            if web.get(url, timeout=2.0).status_code == status and (
+                    port is None or listens_on(proc.process.pid, port)):
                 return
         except httpx.HTTPError:
             pass

@@ -34,3 +34,42 @@ def wakeups(pid: int) -> int:
             total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
                          if line.startswith("voluntary_ctxt_switches:"))
     return total
+
+
+LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp when it listens
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """True when `pid`, or a process it started, holds a TCP socket listening on `port`: that a server
+    answering there is the one a test started, and not another test's that took the port meanwhile."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    if not inodes:
+        return False
+    for process in (pid, *descendants(pid)):
+        with contextlib.suppress(OSError):  # a process that just ended
+            for fd in os.listdir(f"/proc/{process}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{process}/fd/{fd}").removeprefix("socket:[").rstrip("]") in inodes:
+                        return True
+    return False
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
