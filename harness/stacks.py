@@ -76,7 +76,11 @@ def build_stack(redis_url: str, engine: Proc, model_dir: Path, log_dir: Path, **
     env = stack_env(redis_url, model_dir, **overrides)
     assert engine.url
     worker = start_worker(log_dir, env, engine.url, "w0")
-    api = start_api(log_dir, env)
+    try:
+        api = start_api(log_dir, env)
+    except BaseException:  # an API that never became ready leaves no worker behind
+        worker.stop()
+        raise
     return Stack(redis_url, engine, api, [worker], env, log_dir)
 
 

@@ -46,17 +46,21 @@ def bf16_stacks(model_dir: Path, log_dir: Path) -> Iterator[tuple[Stack, Stack]]
     """A bfloat16 CPU engine and two stacks on it, each on its own Redis: batched (the default) and one
     engine call per branch."""
     engine = start_cpu_engine(log_dir, model_cache_dir(), dtype="bfloat16")
-    servers = [start_redis() for _ in range(2)]
-    stacks = (build_stack(servers[0][1], engine, model_dir, log_dir),
-              build_stack(servers[1][1], engine, model_dir, log_dir, OPENJEV_BRANCH_BATCH_SIZE="1"))
-    yield stacks
-    for stack in stacks:
-        for proc in (stack.api, *stack.workers):
-            proc.stop()
-    engine.stop()
-    for process, _ in servers:
-        process.terminate()
-        process.wait(10)
+    servers: list = []
+    stacks: list[Stack] = []
+    try:  # whatever fails to start, what did start is stopped
+        servers += [start_redis() for _ in range(2)]
+        stacks.append(build_stack(servers[0][1], engine, model_dir, log_dir))
+        stacks.append(build_stack(servers[1][1], engine, model_dir, log_dir, OPENJEV_BRANCH_BATCH_SIZE="1"))
+        yield stacks[0], stacks[1]
+    finally:
+        for stack in stacks:
+            for proc in (stack.api, *stack.workers):
+                proc.stop()
+        engine.stop()
+        for process, _ in servers:
+            process.terminate()
+            process.wait(10)
 
 
 def forward_passes(stack: Stack) -> int:
