@@ -256,19 +256,17 @@ class LingeringClose(asyncio.Transport):
         super().__init__()
         self.transport = transport
         self.door = door
-        self.lingering = False
 
     def close(self) -> None:
-        if self.lingering:
-            return
+        if self.door.refused:
+            return  # lingering already (the front door's own refusal, or an earlier close): it closes by itself
         if self.door.reading_request() and not self.transport.is_closing():
-            self.lingering = True
             self.door.linger()
         else:
             self.transport.close()
 
     def is_closing(self) -> bool:
-        return self.lingering or self.transport.is_closing()
+        return self.door.refused or self.transport.is_closing()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.transport.write(data)
