@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from harness.processes import alive
+from harness.procfs import listens_on
 from harness.stacks import CPU_MODEL_NAME, model_cache_dir
 from harness.web import web
 from openjev.embedded_redis import PASSWORD_FILE, free_port
@@ -117,7 +118,8 @@ def _wait_ready(served: SglangServe) -> None:
         if served.process.poll() is not None:
             raise AssertionError(f"serve exited with {served.process.returncode}:\n{served.output()[-6000:]}")
         try:
-            if web.get(served.url + "/health", timeout=2).status_code == 200:
+            if web.get(served.url + "/health", timeout=2).status_code == 200 and listens_on(
+                    served.process.pid, int(served.url.rsplit(":", 1)[1])):  # serve's own API, not another's
                 return
         except httpx.HTTPError:
             pass

@@ -32,6 +32,7 @@ from harness.processes import (
     start_worker,
     wait_http,
 )
+from harness.procfs import listens_on
 from harness.stacks import model_cache_dir, stack_env
 from harness.web import web
 from openjev.embedded_redis import RedisServer, free_port
@@ -428,7 +429,8 @@ def start_serve(log_dir: Path, *args: str, **env: str) -> Served:
     while time.monotonic() < deadline:
         assert process.poll() is None, f"serve exited with {process.returncode}:\n{served.output()[-4000:]}"
         try:
-            if web.get(served.url + "/health", timeout=2).status_code == 200:
+            # serve's own API, not another test's server that took the port before serve's API bound it
+            if web.get(served.url + "/health", timeout=2).status_code == 200 and listens_on(process.pid, port):
                 return served
         except httpx.HTTPError:
             pass
